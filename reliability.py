@@ -1,0 +1,629 @@
+"""The tool did the work but the receipt was lost (Agent 可靠执行实战（一）).
+
+A durable outbox on the sender, an idempotent receiver whose receipt commits in
+the same SQLite transaction as its side effect, atomic claims with attempt
+numbers and logical-tick leases, and an honest ``unknown`` for a tool that offers
+no idempotency.  Standard library only; every database runs in WAL mode with
+``synchronous=FULL`` and every write goes through ``BEGIN IMMEDIATE``.
+
+Three files live in one directory and never share a transaction:
+``sender.db`` (accepted requests and their outbox rows), ``receiver.db``
+(synthetic tickets and idempotency receipts) and ``external.db`` (a synthetic
+tool that keeps no receipts).  Guarantees hold under process crashes on one
+machine whose storage honours fsync; see README.md for what is not proven.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import random
+import sqlite3
+import sys
+import time
+
+# Named crash boundaries, in the order a request meets them.  Each one makes the
+# process that owns it call os._exit(CRASH_EXIT): no finally, no flush, no COMMIT.
+BOUNDARIES = (
+    "before_intent_commit",       # sender: enqueue, inside the transaction
+    "after_intent_commit",        # sender: enqueue, after COMMIT, before "accepted"
+    "after_claim",                # sender: claim committed, tool not called
+    "before_receiver_commit",     # receiver child: ticket and receipt written, no COMMIT
+    "after_receiver_commit",      # receiver child: committed, nothing replied
+    "after_response_write",       # receiver child: full reply flushed to the pipe
+    "after_response_before_ack",  # sender: reply read, not yet recorded
+    "after_ack",                  # sender: done committed
+    "after_mark_before_send",     # sender, unsafe baseline: done committed, nothing sent
+    "before_external_effect",     # external tool child: about to write
+    "after_external_effect",      # external tool child: written, nothing replied
+)
+ENQUEUE_BOUNDARIES = BOUNDARIES[:2]
+CHILD_BOUNDARIES = ("before_receiver_commit", "after_receiver_commit", "after_response_write",
+                    "before_external_effect", "after_external_effect")
+CRASH_EXIT = 73
+
+# Delivery modes.  Only "idempotent" is safe; the others exist to show what breaks
+# and are used only when a request is enqueued with them explicitly.
+MODES = ("idempotent", "naive", "mark_before", "external")
+UNSAFE_MODES = ("naive", "mark_before")
+STATES = ("pending", "inflight", "done", "unknown", "blocked")
+
+LEASE_TICKS = 10             # a claim at tick t may be taken over at tick t + 10
+MAX_IDENTITY_LENGTH = 200    # caller and operation key, in characters
+MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
+CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
+BUSY_DEADLINE = 10.0         # seconds transaction() keeps retrying a busy database
+BUSY_PAUSE = 0.0005          # upper bound of one randomised pause between retries
+
+SENDER, RECEIVER, EXTERNAL = "sender.db", "receiver.db", "external.db"
+# PRAGMA user_version tells our three kinds of file apart from any other SQLite file.
+KINDS = {SENDER: 7301, RECEIVER: 7302, EXTERNAL: 7303}
+SCHEMAS = {
+    SENDER: """
+        CREATE TABLE requests (
+            caller TEXT NOT NULL, key TEXT NOT NULL, mode TEXT NOT NULL,
+            digest TEXT NOT NULL, payload TEXT NOT NULL,
+            PRIMARY KEY (caller, key)) WITHOUT ROWID;
+        CREATE TABLE outbox (
+            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('pending','inflight','done','unknown','blocked')),
+            attempts INTEGER NOT NULL DEFAULT 0, lease_until INTEGER, response TEXT,
+            UNIQUE (caller, key),
+            FOREIGN KEY (caller, key) REFERENCES requests (caller, key));
+        CREATE INDEX outbox_due ON outbox (state, lease_until);
+    """,
+    RECEIVER: """
+        CREATE TABLE tickets (
+            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
+            digest TEXT NOT NULL, payload TEXT NOT NULL);
+        CREATE TABLE receipts (
+            caller TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
+            ticket_id INTEGER NOT NULL REFERENCES tickets (id), response TEXT NOT NULL,
+            PRIMARY KEY (caller, key)) WITHOUT ROWID;
+    """,
+    EXTERNAL: """
+        CREATE TABLE tickets (
+            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
+            digest TEXT NOT NULL, payload TEXT NOT NULL);
+    """,
+}
+
+
+class Conflict(Exception):
+    """The same (caller, key) already stands for a different intent."""
+
+
+class CorruptRecord(Exception):
+    """A stored record cannot be trusted; nothing new was done on its strength."""
+
+
+class Busy(sqlite3.OperationalError):
+    """The write lock could not be taken before the deadline; nothing was written."""
+
+
+# --- connections and transactions -------------------------------------------------
+
+def connect(path):
+    """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
+
+    A missing file raises FileNotFoundError and is never recreated; a file that is
+    not SQLite, or not one of ours (an empty file included), raises DatabaseError.
+    """
+    uri = "file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
+    try:
+        # A tiny SQLite busy timeout: transaction() does the waiting, fairly and with a deadline.
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=0.001)
+    except sqlite3.OperationalError:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such database (it is never created on open)") from None
+        raise
+    try:
+        try:
+            kind = connection.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as error:
+            raise sqlite3.DatabaseError(f"{path}: not a SQLite database ({error})") from None
+        if kind not in KINDS.values():
+            raise sqlite3.DatabaseError(f"{path}: not a reliability.py database (user_version {kind})")
+        if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
+            raise sqlite3.DatabaseError(f"{path}: cannot run in WAL mode")
+        connection.execute("PRAGMA synchronous=FULL")
+        connection.execute("PRAGMA foreign_keys=ON")
+        if connection.execute("PRAGMA synchronous").fetchone()[0] != 2 \
+                or connection.execute("PRAGMA foreign_keys").fetchone()[0] != 1:
+            raise sqlite3.DatabaseError(f"{path}: synchronous=FULL or foreign_keys=ON did not take")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+@contextlib.contextmanager
+def transaction(connection, *, deadline=BUSY_DEADLINE):
+    """Run the block in one BEGIN IMMEDIATE transaction: COMMIT on success, ROLLBACK on error.
+
+    While another writer holds the lock, BEGIN is retried after short random pauses
+    (no caller starves behind SQLite's growing back-off) until ``deadline`` seconds,
+    then Busy is raised with nothing written.  An error raised by COMMIT itself
+    (disk I/O, disk full) is an unknown outcome, not "nothing happened": after a
+    crash WAL recovery may still replay that commit, so look the key up again from
+    a fresh connection before deciding anything.
+    """
+    _begin_immediate(connection, deadline)
+    try:
+        yield connection
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
+
+
+def _begin_immediate(connection, deadline):
+    give_up = None
+    while True:
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as error:
+            code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+            busy = code & 0xFF in (5, 6) if code is not None else "locked" in str(error)
+            if not busy:
+                raise
+            now = time.monotonic()
+            if give_up is None:
+                give_up = now + deadline
+            elif now >= give_up:
+                raise Busy(f"database still locked after {deadline} s; nothing was written") from error
+            time.sleep(random.random() * BUSY_PAUSE)
+
+
+# --- canonical form and digest ----------------------------------------------------
+
+def check_identity(caller, key):
+    """Caller and operation key: non-empty strings of bounded length, valid UTF-8."""
+    for name, value in (("caller", caller), ("key", key)):
+        if type(value) is not str:
+            raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        if not 0 < len(value) <= MAX_IDENTITY_LENGTH:
+            raise ValueError(f"{name} must have 1 to {MAX_IDENTITY_LENGTH} characters")
+        value.encode("utf-8")  # a lone surrogate raises here, before any transaction
+
+
+def canonical(payload):
+    """Return (text, digest) for a JSON object: sorted keys, compact, UTF-8, SHA-256.
+
+    Anything JSON cannot carry exactly (NaN, Infinity, non-string keys, tuples,
+    bytes, sets) raises before any transaction.  The digest only detects a
+    different intent behind the same key; it never replaces the key.
+    """
+    if type(payload) is not dict:
+        raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"payload is not exact JSON: {error}") from None
+    # json silently turns int keys into strings and tuples into lists; a value that
+    # does not come back equal would change meaning between sender and receiver.
+    if json.loads(text) != payload:
+        raise TypeError("payload is not exact JSON: keys must be str and arrays lists")
+    data = text.encode("utf-8")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"payload exceeds {MAX_PAYLOAD_BYTES} bytes in canonical form")
+    return text, hashlib.sha256(data).hexdigest()
+
+
+def _check_fault(fault, allowed=BOUNDARIES):
+    if fault is not None and fault not in allowed:
+        raise ValueError(f"unknown fault {fault!r}; expected one of {', '.join(allowed)}")
+
+
+def _crash(fault, boundary):
+    if fault == boundary:
+        os._exit(CRASH_EXIT)
+
+
+# --- the idempotent receiver -------------------------------------------------------
+
+def receive(connection, caller, key, payload, *, fault=None):
+    """Create one ticket per (caller, key), however often the request arrives.
+
+    The receipt check, the ticket and the receipt (holding the exact response) share
+    one BEGIN IMMEDIATE transaction, so a replay returns the identical response and a
+    different payload under the same key raises Conflict.  Holds while receipts are
+    kept; deleting one lets a late replay create a second ticket.
+    """
+    check_identity(caller, key)
+    text, digest = canonical(payload)
+    _check_fault(fault)
+    # Receipts are never changed once committed, so one read outside the write lock
+    # sees exactly what a read inside it would: replays cost no lock and no fsync.
+    response = _stored_response(connection, caller, key, digest)
+    if response is not None:
+        return response
+    with transaction(connection):
+        # Another writer may have committed this key between the read above and our lock.
+        response = _stored_response(connection, caller, key, digest)
+        if response is not None:
+            return response
+        ticket = connection.execute(
+            "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
+            (caller, key, digest, text)).lastrowid
+        response = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+        connection.execute(
+            "INSERT INTO receipts (caller, key, digest, ticket_id, response) VALUES (?, ?, ?, ?, ?)",
+            (caller, key, digest, ticket, _dumps(response)))
+        _crash(fault, "before_receiver_commit")  # the ticket exists only inside this transaction
+    _crash(fault, "after_receiver_commit")  # committed, and nobody has been told
+    return response
+
+
+def _stored_response(connection, caller, key, digest):
+    rows = connection.execute(
+        "SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest"
+        " FROM receipts r LEFT JOIN tickets t ON t.id = r.ticket_id"
+        " WHERE r.caller = ? AND r.key = ?", (caller, key)).fetchall()
+    if not rows:
+        return None
+    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest = rows[0]
+    if stored_digest != digest:
+        raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
+    try:
+        response = json.loads(text)
+    except (TypeError, ValueError):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
+    expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+    if response != expected or type(response["ticket_id"]) is not int \
+            or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
+    return response
+
+
+def _dumps(value):
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# --- the durable outbox -------------------------------------------------------------
+
+def enqueue(connection, caller, key, payload, *, mode="idempotent", fault=None):
+    """Persist an intent and its outbox row in one transaction, once per (caller, key).
+
+    Returns "accepted" or, for the same intent again, "duplicate" (nothing added);
+    the same key with a different payload or mode raises Conflict.
+    """
+    check_identity(caller, key)
+    text, digest = canonical(payload)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
+    _check_fault(fault, ENQUEUE_BOUNDARIES)
+    with transaction(connection):
+        rows = connection.execute("SELECT mode, digest FROM requests WHERE caller = ? AND key = ?",
+                                  (caller, key)).fetchall()
+        if rows:
+            if rows[0] != (mode, digest):
+                raise Conflict(f"key {key!r} of caller {caller!r} was enqueued with another intent")
+            return "duplicate"
+        connection.execute("INSERT INTO requests (caller, key, mode, digest, payload) VALUES (?, ?, ?, ?, ?)",
+                           (caller, key, mode, digest, text))
+        connection.execute("INSERT INTO outbox (caller, key, state) VALUES (?, ?, 'pending')", (caller, key))
+        _crash(fault, "before_intent_commit")  # neither row survives: the caller must resubmit
+    _crash(fault, "after_intent_commit")  # both rows survive, the caller never heard "accepted"
+    return "accepted"
+
+
+def claim(connection, now):
+    """Atomically take the oldest due row: attempt + 1, leased until ``now + LEASE_TICKS``.
+
+    Due means pending, or in flight with a lease that ended at or before ``now``.  An
+    expired external (non-idempotent) row is not retried but marked unknown.  Returns
+    the claimed row as a dict, or None.  Only one of many racing claimers wins a row.
+    """
+    if type(now) is not int or now < 0:
+        raise ValueError("now must be a non-negative int tick")
+    with transaction(connection):
+        while True:
+            rows = connection.execute(
+                "SELECT o.caller, o.key, o.state, o.attempts, r.mode, r.digest, r.payload"
+                " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
+                " WHERE o.state = 'pending' OR (o.state = 'inflight' AND o.lease_until <= ?)"
+                " ORDER BY o.id LIMIT 1", (now,)).fetchall()
+            if not rows:
+                return None
+            caller, key, state, attempts, mode, digest, text = rows[0]
+            if state == "inflight" and mode == "external":
+                # The old attempt may have reached the tool: retrying could act twice.
+                _set_state(connection, caller, key, attempts, "unknown")
+                continue
+            row = {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest}
+            try:
+                row["payload"] = json.loads(text)
+                if canonical(row["payload"])[1] != digest:
+                    raise ValueError("digest mismatch")
+            except (TypeError, ValueError) as error:
+                # A record we cannot trust is parked for a person, never sent.
+                connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?",
+                                   (_dumps({"error": f"corrupt intent: {error}"}), caller, key))
+                continue
+            connection.execute(
+                "UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?"
+                " WHERE caller = ? AND key = ?", (attempts + 1, now + LEASE_TICKS, caller, key))
+            return row
+
+
+def acknowledge(connection, caller, key, attempt, response):
+    """Record a validated response as done, only for the attempt that still holds the row.
+
+    Returns False (nothing changed) when the row is no longer in flight under that
+    attempt number; raises ValueError for a response that does not answer this request.
+    """
+    with transaction(connection):
+        rows = connection.execute("SELECT digest FROM requests WHERE caller = ? AND key = ?",
+                                  (caller, key)).fetchall()
+        if not rows:
+            raise ValueError(f"no request {caller!r}/{key!r}")
+        check_response(response, caller, key, rows[0][0])
+        return connection.execute(
+            "UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
+            " AND state = 'inflight' AND attempts = ?",
+            (_dumps(response), caller, key, attempt)).rowcount == 1
+
+
+def check_response(response, caller, key, digest):
+    """A response answers a request only with the same caller, key, digest and an int ticket id."""
+    if type(response) is not dict or set(response) != {"caller", "key", "digest", "ticket_id"}:
+        raise ValueError("response has the wrong structure")
+    if (response["caller"], response["key"], response["digest"]) != (caller, key, digest):
+        raise ValueError("response answers a different request")
+    if type(response["ticket_id"]) is not int or response["ticket_id"] < 1:
+        raise ValueError("response ticket_id must be a positive int")
+
+
+def _set_state(connection, caller, key, attempt, state):
+    return connection.execute(
+        "UPDATE outbox SET state = ? WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
+        (state, caller, key, attempt)).rowcount == 1
+
+
+def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT):
+    """Claim one due row, call its tool in a child process, record what can be proven.
+
+    No database lock is held while the child runs.  A valid response marks the row
+    done (even if the child exits non-zero afterwards); a missing or invalid one
+    leaves an idempotent row in flight until its lease ends, and makes an external
+    row unknown, never retried automatically.  Returns a summary dict, or None.
+    """
+    _check_fault(fault)
+    row = claim(connection, now)
+    if row is None:
+        return None
+    if row["mode"] == "mark_before":
+        return unsafe_dispatch_mark_before(connection, root, row, fault=fault, timeout=timeout)
+    _crash(fault, "after_claim")
+    return deliver(connection, root, row, fault=fault, timeout=timeout)
+
+
+def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+    """Call the tool for a claimed row and record the outcome under its attempt number."""
+    response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
+                                    timeout=timeout)
+    _crash(fault, "after_response_before_ack")
+    caller, key, attempt = row["caller"], row["key"], row["attempt"]
+    result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
+              "response": None, "acknowledged": False}
+    if isinstance(response, dict) and response.get("error") == "conflict":
+        with transaction(connection):
+            _set_state(connection, caller, key, attempt, "blocked")
+    elif response is not None:
+        try:
+            result["acknowledged"] = acknowledge(connection, caller, key, attempt, response)
+            result["response"] = response
+        except ValueError:
+            response = None
+    if response is None and row["mode"] == "external":
+        # The tool may or may not have acted; only a lookup or a person can tell.
+        with transaction(connection):
+            _set_state(connection, caller, key, attempt, "unknown")
+    _crash(fault, "after_ack")
+    return result
+
+
+def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+    """Run the row's tool in a child process; return (parsed first output line or None, exit code).
+
+    A child that outlives ``timeout`` is killed and reaped; its exit code is then None.
+    """
+    import subprocess  # only the sender spawns; tool children start faster without it
+    kind = {"idempotent": "receive", "naive": "unsafe-receive", "external": "external"}[row["mode"]]
+    database = os.path.join(root, EXTERNAL if kind == "external" else RECEIVER)
+    command = [sys.executable, "-I", "-S", os.path.abspath(__file__), "serve", kind, database]
+    if fault is not None:
+        command += ["--fault", fault]
+    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"]})
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
+    try:
+        output, _ = child.communicate(request + "\n", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return None, None
+    line = output.split("\n", 1)[0]
+    try:
+        return json.loads(line), child.returncode
+    except ValueError:
+        return None, child.returncode
+
+
+def serve(kind, database, request_line, *, fault=None):
+    """Child side of call_tool: answer one request and return the line to write."""
+    request = json.loads(request_line)
+    function = {"receive": receive, "unsafe-receive": unsafe_receive_without_receipt,
+                "external": external_create_ticket}[kind]
+    connection = connect(database)
+    try:
+        response = function(connection, request["caller"], request["key"], request["payload"], fault=fault)
+    except Conflict as error:
+        response = {"error": "conflict", "message": str(error)}
+    finally:
+        connection.close()
+    return _dumps(response)
+
+
+def external_create_ticket(connection, caller, key, payload, *, fault=None):
+    """The synthetic external tool: it creates a ticket on every call and keeps no receipt."""
+    check_identity(caller, key)
+    text, digest = canonical(payload)
+    _crash(fault, "before_external_effect")
+    with transaction(connection):
+        ticket = connection.execute(
+            "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
+            (caller, key, digest, text)).lastrowid
+    _crash(fault, "after_external_effect")
+    return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+
+
+# --- setup and observation ----------------------------------------------------------
+
+def init(root):
+    """Create sender.db, receiver.db and external.db under ``root``; never overwrite."""
+    os.makedirs(root, exist_ok=True)
+    for name in KINDS:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            if os.path.exists(os.path.join(root, name + suffix)):
+                raise FileExistsError(f"{os.path.join(root, name + suffix)} exists; init never overwrites")
+    for name, schema in SCHEMAS.items():
+        path = os.path.join(root, name)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        connection = sqlite3.connect(path, isolation_level=None)
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.executescript(f"BEGIN; {schema} PRAGMA user_version = {KINDS[name]}; COMMIT;")
+        finally:
+            connection.close()
+
+
+def snapshot(connection):
+    """Counts and outbox rows of one of our databases, for observers and tests."""
+    kind = connection.execute("PRAGMA user_version").fetchone()[0]
+    if kind == KINDS[SENDER]:
+        rows = connection.execute(
+            "SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, o.response"
+            " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id").fetchall()
+        return {"intent_rows": connection.execute("SELECT count(*) FROM requests").fetchone()[0],
+                "outbox": [{"caller": c, "key": k, "mode": m, "state": s, "attempts": a, "lease_until": l,
+                            "response": json.loads(r) if r else None} for c, k, m, s, a, l, r in rows]}
+    tickets = connection.execute("SELECT count(*) FROM tickets").fetchone()[0]
+    if kind == KINDS[RECEIVER]:
+        return {"tickets": tickets, "receipts": connection.execute("SELECT count(*) FROM receipts").fetchone()[0]}
+    return {"tickets": tickets}
+
+
+# --- deliberately unsafe baselines (for the experiments only) ------------------------
+
+def unsafe_receive_without_receipt(connection, caller, key, payload, *, fault=None):
+    """UNSAFE baseline: creates a ticket on every call; a replay after a lost reply duplicates."""
+    check_identity(caller, key)
+    text, digest = canonical(payload)
+    with transaction(connection):
+        ticket = connection.execute(
+            "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
+            (caller, key, digest, text)).lastrowid
+        _crash(fault, "before_receiver_commit")
+    _crash(fault, "after_receiver_commit")
+    return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+
+
+def unsafe_dispatch_mark_before(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+    """UNSAFE baseline: records done before sending, so a crash in between loses the task."""
+    with transaction(connection):
+        _set_state(connection, row["caller"], row["key"], row["attempt"], "done")
+    _crash(fault, "after_mark_before_send")
+    response, exit_code = call_tool(root, dict(row, mode="idempotent"), timeout=timeout)
+    return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"], "exit_code": exit_code,
+            "response": response, "acknowledged": False}
+
+
+def unsafe_retry_unknown(connection, root, caller, key, *, timeout=CHILD_TIMEOUT):
+    """UNSAFE baseline: calls the external tool again for an unknown row, ignoring the policy."""
+    attempts = connection.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?",
+                                  (caller, key)).fetchone()[0]
+    return call_tool(root, _claimed_row(connection, caller, key, attempts), timeout=timeout)
+
+
+# --- command line --------------------------------------------------------------------
+
+def main(argv=None):
+    """Small CLI: init, enqueue, claim, dispatch, snapshot, and the child's serve."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # Parsed by hand: one child starts per tool call, and its start-up is the call's cost.
+        fault = argv[4] if argv[3:4] == ["--fault"] else None
+        line = serve(argv[1], argv[2], sys.stdin.readline(), fault=fault)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        _crash(fault, "after_response_write")  # the complete reply is already in the pipe
+        return 0
+    import argparse
+    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("init", help="create the three databases").add_argument("root")
+    p = sub.add_parser("enqueue", help="accept an intent into the outbox")
+    p.add_argument("root"), p.add_argument("caller"), p.add_argument("key")
+    p.add_argument("payload", help="a JSON object")
+    p.add_argument("--mode", choices=MODES, default="idempotent")
+    p.add_argument("--fault", choices=ENQUEUE_BOUNDARIES)
+    for name, helptext in (("claim", "claim one due row"), ("dispatch", "claim one due row and call its tool")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("root"), p.add_argument("--now", type=int, required=True, help="logical tick")
+        if name == "dispatch":
+            p.add_argument("--fault", choices=BOUNDARIES[2:])
+    p = sub.add_parser("deliver", help="call the tool for a row claimed earlier, under its attempt")
+    p.add_argument("root"), p.add_argument("caller"), p.add_argument("key")
+    p.add_argument("--attempt", type=int, required=True)
+    sub.add_parser("snapshot", help="print what the three databases hold").add_argument("root")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "init":
+            init(args.root)
+            result = "initialised"
+        elif args.command == "snapshot":
+            result = {}
+            for name in KINDS:
+                connection = connect(os.path.join(args.root, name))
+                try:
+                    result[name[:-3]] = snapshot(connection)
+                finally:
+                    connection.close()
+        else:
+            connection = connect(os.path.join(args.root, SENDER))
+            try:
+                if args.command == "enqueue":
+                    result = enqueue(connection, args.caller, args.key, json.loads(args.payload),
+                                     mode=args.mode, fault=args.fault)
+                elif args.command == "claim":
+                    result = claim(connection, args.now)
+                elif args.command == "dispatch":
+                    result = dispatch(connection, args.root, args.now, fault=args.fault)
+                else:
+                    result = deliver(connection, args.root, _claimed_row(connection, args.caller, args.key,
+                                                                         args.attempt))
+            finally:
+                connection.close()
+    except (Conflict, CorruptRecord, OSError, ValueError, TypeError, sqlite3.Error) as error:
+        print(f"reliability.py {args.command}: {error}", file=sys.stderr)
+        return 1
+    print(_dumps(result))
+    return 0
+
+
+def _claimed_row(connection, caller, key, attempt):
+    rows = connection.execute("SELECT mode, digest, payload FROM requests WHERE caller = ? AND key = ?",
+                              (caller, key)).fetchall()
+    if not rows:
+        raise ValueError(f"no request {caller!r}/{key!r}")
+    mode, digest, text = rows[0]
+    return {"caller": caller, "key": key, "attempt": attempt, "mode": mode, "digest": digest,
+            "payload": json.loads(text)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
