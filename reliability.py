@@ -383,7 +383,7 @@ def _set_state(connection, caller, key, attempt, state):
         (state, caller, key, attempt)).rowcount == 1
 
 
-def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT):
+def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """Claim one due row, call its tool in a child process, record what can be proven.
 
     No database lock is held while the child runs.  A valid response marks the row
@@ -396,15 +396,15 @@ def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT):
     if row is None:
         return None
     if row["mode"] == "mark_before":
-        return unsafe_dispatch_mark_before(connection, root, row, fault=fault, timeout=timeout)
+        return unsafe_dispatch_mark_before(connection, root, row, fault=fault, timeout=timeout, start=start)
     _crash(fault, "after_claim")
-    return deliver(connection, root, row, fault=fault, timeout=timeout)
+    return deliver(connection, root, row, fault=fault, timeout=timeout, start=start)
 
 
-def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """Call the tool for a claimed row and record the outcome under its attempt number."""
     response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
-                                    timeout=timeout)
+                                    timeout=timeout, start=start)
     _crash(fault, "after_response_before_ack")
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
     result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
@@ -426,20 +426,20 @@ def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT):
     return result
 
 
-def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """Run the row's tool in a child process; return (parsed first output line or None, exit code).
 
-    A child that outlives ``timeout`` is killed and reaped; its exit code is then None.
+    ``start(argv)`` launches ``reliability.py argv...`` as a child with piped stdin and
+    stdout (default: a fresh interpreter).  A child that outlives ``timeout`` is
+    killed and reaped; its exit code is then None.
     """
     import subprocess  # only the sender spawns; tool children start faster without it
     kind = {"idempotent": "receive", "naive": "unsafe-receive", "external": "external"}[row["mode"]]
-    database = os.path.join(root, EXTERNAL if kind == "external" else RECEIVER)
-    command = [sys.executable, "-I", "-S", os.path.abspath(__file__), "serve", kind, database]
+    argv = ["serve", kind, os.path.join(root, EXTERNAL if kind == "external" else RECEIVER)]
     if fault is not None:
-        command += ["--fault", fault]
+        argv += ["--fault", fault]
+    child = (start or start_child)(argv)
     request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"]})
-    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, encoding="utf-8")
     try:
         output, _ = child.communicate(request + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -451,6 +451,14 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT):
         return json.loads(line), child.returncode
     except ValueError:
         return None, child.returncode
+
+
+def start_child(argv):
+    """Start ``python3 -I -S reliability.py argv...`` with pipes: isolated, no site packages."""
+    import subprocess
+    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), *argv],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, encoding="utf-8")
 
 
 def serve(kind, database, request_line, *, fault=None):
@@ -532,21 +540,21 @@ def unsafe_receive_without_receipt(connection, caller, key, payload, *, fault=No
     return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
 
 
-def unsafe_dispatch_mark_before(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT):
+def unsafe_dispatch_mark_before(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """UNSAFE baseline: records done before sending, so a crash in between loses the task."""
     with transaction(connection):
         _set_state(connection, row["caller"], row["key"], row["attempt"], "done")
     _crash(fault, "after_mark_before_send")
-    response, exit_code = call_tool(root, dict(row, mode="idempotent"), timeout=timeout)
+    response, exit_code = call_tool(root, dict(row, mode="idempotent"), timeout=timeout, start=start)
     return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"], "exit_code": exit_code,
             "response": response, "acknowledged": False}
 
 
-def unsafe_retry_unknown(connection, root, caller, key, *, timeout=CHILD_TIMEOUT):
+def unsafe_retry_unknown(connection, root, caller, key, *, timeout=CHILD_TIMEOUT, start=None):
     """UNSAFE baseline: calls the external tool again for an unknown row, ignoring the policy."""
     attempts = connection.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?",
                                   (caller, key)).fetchone()[0]
-    return call_tool(root, _claimed_row(connection, caller, key, attempts), timeout=timeout)
+    return call_tool(root, _claimed_row(connection, caller, key, attempts), timeout=timeout, start=start)
 
 
 # --- command line --------------------------------------------------------------------

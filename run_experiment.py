@@ -1,0 +1,878 @@
+"""Rerun the articles' crash experiments with real processes and compare with results.json.
+
+  python3 run_experiment.py                  run every scenario, one line each, then a verdict
+  python3 run_experiment.py --check [PATH]   the same, then compare with PATH (default results.json)
+  python3 run_experiment.py --list           the scenarios, one line each
+  python3 run_experiment.py --only NAME ...  a subset (with --check, only those are compared)
+  python3 run_experiment.py --explain NAME   one scenario as a timeline of what each process did
+  python3 run_experiment.py --json           the deterministic results on stdout
+  python3 run_experiment.py --output FILE    the deterministic results written to FILE
+
+Every scenario starts in a fresh temporary directory.  Crashes are real: a child
+process calls os._exit at a named boundary, and what survives is read back from
+the SQLite files by another process.  Results hold statuses, exit codes, counts,
+quantities and revisions only, so a rerun reproduces them byte for byte.
+Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage.
+"""
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import preconditions
+import reliability
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results.json")
+WATCHDOG = 15.0  # seconds: only stops a hung child, never paces a scenario
+CALLER, KEY = "agent", "ticket-1"
+PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
+PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
+SCENARIOS = {}  # name -> (article, description, function), in article order
+
+
+def scenario(article, description):
+    def register(function):
+        SCENARIOS[function.__name__] = (article, description, function)
+        return function
+    return register
+
+
+# --- processes ----------------------------------------------------------------------
+# A child is a real process either way.  Where os.fork exists, it is forked from this
+# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
+# about a millisecond instead of a fresh interpreter's ~50 ms.  --exec starts every
+# child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
+MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
+USE_FORK = hasattr(os, "fork")
+_PARENT_ENDS = set()  # pipe ends this process holds for its live forked children
+
+
+class ForkedChild:
+    """Just enough of subprocess.Popen for a forked child: readline, communicate, kill, wait."""
+
+    def __init__(self, pid, stdin_fd, stdout_fd, args):
+        self.pid, self.args, self.returncode = pid, args, None
+        self._stdin, self._stdout, self._buffer = stdin_fd, stdout_fd, b""
+
+    def _close(self, name):
+        fd = getattr(self, name)
+        if fd is not None:
+            os.close(fd)
+            _PARENT_ENDS.discard(fd)
+            setattr(self, name, None)
+
+    def _read(self, deadline):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self._stdout], [], [], remaining)[0]:
+            raise subprocess.TimeoutExpired(self.args, WATCHDOG)
+        data = os.read(self._stdout, 65536)
+        if not data:
+            self._close("_stdout")
+        self._buffer += data
+
+    def readline(self, timeout=WATCHDOG):
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer and self._stdout is not None:
+            self._read(deadline)
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode("utf-8")
+
+    def send(self, text):
+        os.write(self._stdin, text.encode("utf-8"))
+
+    def communicate(self, input=None, timeout=None):
+        if self._stdin is not None:
+            try:
+                if input:
+                    os.write(self._stdin, input.encode("utf-8"))  # requests are far below a pipe's buffer
+            except BrokenPipeError:
+                pass  # the child died before reading: its exit code tells
+            self._close("_stdin")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._stdout is not None:
+            self._read(deadline)
+        output, self._buffer = self._buffer.decode("utf-8"), b""
+        self.wait()
+        return output, None
+
+    def kill(self):
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self):
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def fork_start(module, argv):
+    """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
+
+    Call it only while this process holds no SQLite connection to a file the child
+    opens: SQLite's per-process lock bookkeeping must not be copied into a child.
+    """
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the driver
+        code = 1
+        try:
+            os.dup2(stdin_r, 0)
+            os.dup2(stdout_w, 1)
+            for fd in (stdin_r, stdin_w, stdout_r, stdout_w, *_PARENT_ENDS):
+                os.close(fd)
+            _PARENT_ENDS.clear()  # those numbers may be reused by files the child opens
+            # A sender child that calls a tool forks that tool child the same way.
+            reliability.start_child = start_tool
+            sys.stdin = open(0, encoding="utf-8", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+            random.seed()  # siblings must not share the parent's back-off sequence
+            code = module.main(list(argv))
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+    os.close(stdin_r)
+    os.close(stdout_w)
+    _PARENT_ENDS.update((stdin_w, stdout_r))
+    return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
+
+
+def start(module, *args):
+    """Start ``module`` (a file name in MODULES) with ``args`` as a child with piped stdin and stdout."""
+    args = [str(arg) for arg in args]
+    if USE_FORK:
+        return fork_start(MODULES[module], args)
+    child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module), *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8")
+    child.readline = child.stdout.readline
+    child.send = lambda text: (child.stdin.write(text), child.stdin.flush())
+    return child
+
+
+def start_tool(argv):
+    """The launcher reliability.call_tool uses for the driver's in-process sender."""
+    return start("reliability.py", *argv)
+
+
+def start_batch(commands):
+    """Start every (module, *args) command or none: if one fails, the started ones are killed and reaped."""
+    children = []
+    try:
+        for command in commands:
+            children.append(start(*command))
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.communicate()
+        raise
+    return children
+
+
+def finish(child, stdin_text=None):
+    """Wait for a child (killing it at the watchdog); return (exit code, stdout lines)."""
+    try:
+        output, _ = child.communicate(stdin_text, timeout=WATCHDOG)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
+    return child.wait(), output.splitlines()
+
+
+def run_child(module, *args, stdin_text=None):
+    """Run one child to its end; return (exit code, its last stdout line parsed as JSON or None)."""
+    code, lines = finish(start(module, *args), stdin_text)
+    return code, json.loads(lines[-1]) if lines else None
+
+
+# --- one scenario run ---------------------------------------------------------------
+
+class Run:
+    """A scenario's directory, its observed stages, its invariant failures and its timeline."""
+
+    def __init__(self, name, directory):
+        self.name, self.dir = name, directory
+        self.root = directory  # reliability's three databases live here
+        self.db = os.path.join(directory, "transfer.db")  # preconditions' database
+        self.stages, self.failures, self.events = {}, [], []
+
+    def log(self, lane, text):
+        self.events.append((lane, text))
+
+    def expect(self, label, observed, expected):
+        if observed != expected:
+            self.failures.append(f"{label}: expected {expected!r}, observed {observed!r}")
+
+
+def run_scenario(name, base):
+    article, _, function = SCENARIOS[name]
+    directory = tempfile.mkdtemp(prefix=name + "-", dir=base)
+    run = Run(name, directory)
+    try:
+        if article == "article_1":
+            # A copy of databases that reliability.init created (and closed) moments ago.
+            for database in reliability.KINDS:
+                shutil.copyfile(os.path.join(base, "template", database), os.path.join(run.root, database))
+        function(run)
+    except Exception as error:  # an invariant of the harness itself broke: report, never hide
+        run.failures.append(f"{type(error).__name__}: {error}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return run
+
+
+def run_all(names):
+    """Run scenarios one after another (forking needs a single-threaded parent)."""
+    base = tempfile.mkdtemp(prefix="reliability-experiment-")
+    try:
+        reliability.init(os.path.join(base, "template"))
+        return [run_scenario(name, base) for name in names]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- article 1: reliability.py --------------------------------------------------------
+
+def _open(run, name):
+    return reliability.connect(os.path.join(run.root, name))
+
+
+def observe(run, stage, exit_codes=()):
+    """Record what the three databases hold now for the scenario's request."""
+    seen = {}
+    for name in reliability.KINDS:
+        connection = _open(run, name)
+        try:
+            seen[name] = reliability.snapshot(connection)
+        finally:
+            connection.close()
+    rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
+    row = rows[0] if rows else {"state": "absent", "attempts": 0, "response": None}
+    observation = {
+        "sender_state": row["state"], "attempts": row["attempts"],
+        "intent_rows": seen[reliability.SENDER]["intent_rows"],
+        "receiver_tickets": seen[reliability.RECEIVER]["tickets"],
+        "receiver_receipts": seen[reliability.RECEIVER]["receipts"],
+        "external_tickets": seen[reliability.EXTERNAL]["tickets"],
+        "response": row["response"], "exit_codes": list(exit_codes),
+    }
+    run.stages[stage] = observation
+    run.log("observer", f"{stage}: sender {row['state']} (attempts {row['attempts']}), "
+            f"receiver tickets {observation['receiver_tickets']}, receipts {observation['receiver_receipts']}, "
+            f"external tickets {observation['external_tickets']}")
+    return observation
+
+
+def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
+    connection = _open(run, reliability.SENDER)
+    try:
+        status = reliability.enqueue(connection, CALLER, KEY, payload, mode=mode)
+    finally:
+        connection.close()
+    run.log(lane, f"enqueue {KEY} ({mode}): {status}, intent and outbox row committed together")
+    return status
+
+
+def dispatch(run, now, fault=None, lane="sender"):
+    """The driver as the sender: claim, call the tool child, record; returns the child's exit codes."""
+    connection = _open(run, reliability.SENDER)
+    try:
+        result = reliability.dispatch(connection, run.root, now, fault=fault, start=start_tool)
+    finally:
+        connection.close()
+    if result is None:
+        run.log(lane, f"tick {now}: nothing due, nothing sent")
+        return []
+    if fault in reliability.CHILD_BOUNDARIES:
+        run.log("child", f"tool child ran to {fault} and exited {result['exit_code']}")
+    else:
+        run.log("child", f"tool child answered and exited {result['exit_code']}")
+    answer = f"ticket {result['response']['ticket_id']}" if result["response"] else "no valid response"
+    run.log(lane, f"tick {now}: claimed attempt {result['attempt']}, got {answer}, "
+            f"{'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
+    return [result["exit_code"]]
+
+
+def sender_child(run, *args, fault):
+    """A sender that dies for real: the module's own CLI in a child process."""
+    code, _ = run_child("reliability.py", args[0], run.root, *args[1:], "--fault", fault)
+    run.log("sender", f"sender process ran {args[0]} to {fault} and exited {code}")
+    return [code]
+
+
+def lost_ack(run, mode):
+    enqueue(run, mode)
+    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("exit code of the receiver", run.stages["after_lost_ack"]["exit_codes"], [reliability.CRASH_EXIT])
+    run.expect("sender state", (final["sender_state"], final["attempts"]), ("done", 2))
+    return final
+
+
+@scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a second ticket")
+def naive_lost_ack(run):
+    final = lost_ack(run, "naive")
+    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 2))
+
+
+@scenario("article_1", "sender records done before sending and dies: the ticket is never created")
+def mark_before_send_loses_task(run):
+    enqueue(run, "mark_before")
+    observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_mark_before_send"))
+    final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
+    run.expect("sender state and tickets", (final["sender_state"], final["receiver_tickets"]), ("done", 0))
+
+
+@scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same ticket")
+def idempotent_lost_ack(run):
+    final = lost_ack(run, "idempotent")
+    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 1))
+    run.expect("replayed ticket id", final["response"]["ticket_id"], 1)
+
+
+def recover_once(run, first):
+    """After a sender-side crash: a new process retries enqueue with the same key, then delivers."""
+    status = enqueue(run, lane="recovery")
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("exit code", first["exit_codes"], [reliability.CRASH_EXIT])
+    run.expect("outcome", (final["sender_state"], final["intent_rows"], final["receiver_tickets"]), ("done", 1, 1))
+    return status
+
+
+@scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once")
+def before_intent_commit(run):
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
+                                                     fault="before_intent_commit"))
+    run.expect("nothing stored", (first["sender_state"], first["intent_rows"]), ("absent", 0))
+    run.expect("retry status", recover_once(run, first), "accepted")
+
+
+@scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row")
+def after_intent_commit(run):
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
+                                                     fault="after_intent_commit"))
+    run.expect("intent kept", (first["sender_state"], first["intent_rows"]), ("pending", 1))
+    run.expect("retry status", recover_once(run, first), "duplicate")
+
+
+@scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers")
+def after_claim(run):
+    enqueue(run)
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_claim"))
+    early = observe(run, "before_lease_expiry", dispatch(run, 9, lane="recovery"))
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("lease holds until tick 10", (first["attempts"], early["attempts"]), (1, 1))
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+
+
+@scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt together")
+def before_receiver_commit(run):
+    enqueue(run)
+    first = observe(run, "after_crash", dispatch(run, 0, "before_receiver_commit"))
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("nothing committed", (first["receiver_tickets"], first["receiver_receipts"]), (0, 0))
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+
+
+@scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still counts")
+def after_response_write(run):
+    enqueue(run)
+    first = observe(run, "after_crash", dispatch(run, 0, "after_response_write"))
+    final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
+    run.expect("done on the first attempt", (first["sender_state"], first["attempts"], first["exit_codes"]),
+               ("done", 1, [reliability.CRASH_EXIT]))
+    run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
+
+
+@scenario("article_1", "sender read the reply but died before recording it: the replay returns it again")
+def after_response_before_ack(run):
+    enqueue(run)
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_response_before_ack"))
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("ticket committed, not recorded", (first["sender_state"], first["receiver_tickets"]), ("inflight", 1))
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"],
+                           final["response"]["ticket_id"]), ("done", 2, 1, 1))
+
+
+@scenario("article_1", "sender dies after recording done: the restart sends nothing")
+def after_ack(run):
+    enqueue(run)
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_ack"))
+    final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
+    run.expect("done before the crash", first["sender_state"], "done")
+    run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
+
+
+@scenario("article_1", "same key, different payload: the receiver refuses, the ticket is unchanged")
+def mismatched_payload(run):
+    enqueue(run)
+    observe(run, "after_delivery", dispatch(run, 0))
+    changed = dict(PAYLOAD, title="A different ticket")
+    answer, code = reliability.call_tool(run.root, {"caller": CALLER, "key": KEY, "mode": "idempotent",
+                                                    "payload": changed}, start=start_tool)
+    run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
+    final = observe(run, "after_mismatch", [code])
+    run.stages["after_mismatch"]["refusal"] = answer.get("error")
+    run.expect("refusal", answer.get("error"), "conflict")
+    run.expect("ticket unchanged", (final["receiver_tickets"], final["response"]["ticket_id"]), (1, 1))
+
+
+@scenario("article_1", "8 processes race to claim; a stale attempt's acknowledgement is refused")
+def concurrent_claim(run):
+    enqueue(run)
+    children = start_batch([("reliability.py", "claim", run.root, "--now", 0)] * 8)
+    claims = [finish(child) for child in children]
+    winners = [json.loads(lines[-1]) for _, lines in claims if lines and lines[-1] != "null"]
+    run.log("sender", f"8 claimer processes at tick 0: {len(winners)} won attempt "
+            f"{[w['attempt'] for w in winners]}")
+    observe(run, "after_race", sorted(code for code, _ in claims))
+    connection = _open(run, reliability.SENDER)
+    try:
+        current = reliability.claim(connection, 11)
+    finally:
+        connection.close()
+    run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
+    code, stale = run_child("reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1)
+    run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement "
+            f"{'accepted' if stale['acknowledged'] else 'refused'}")
+    observe(run, "after_stale_ack", [code])
+    connection = _open(run, reliability.SENDER)
+    try:
+        result = reliability.deliver(connection, run.root, current, start=start_tool)
+    finally:
+        connection.close()
+    run.log("recovery", f"attempt {current['attempt']} delivers: ticket {result['response']['ticket_id']}, "
+            f"{'recorded done' if result['acknowledged'] else 'refused'}")
+    final = observe(run, "after_recovery", [result["exit_code"]])
+    run.stages["after_race"]["claim_winners"] = len(winners)
+    run.stages["after_stale_ack"]["stale_ack_accepted"] = stale["acknowledged"]
+    run.expect("winners", len(winners), 1)
+    run.expect("stale acknowledgement", stale["acknowledged"], False)
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+
+
+@scenario("article_1", "8 receiver processes get the same request: one ticket, one receipt, one answer")
+def concurrent_receiver(run):
+    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD}) + "\n"
+    database = os.path.join(run.root, reliability.RECEIVER)
+    children = start_batch([("reliability.py", "serve", "receive", database)] * 8)
+    for child in children:  # all eight are started before any gets its request: they really race
+        child.send(request)
+    results = [finish(child) for child in children]
+    responses = {lines[-1] for _, lines in results if lines}
+    run.log("child", f"8 receiver processes answered with {len(responses)} distinct response(s)")
+    final = observe(run, "after_race", sorted(code for code, _ in results))
+    final["distinct_responses"] = len(responses)
+    run.expect("outcome", (final["receiver_tickets"], final["receiver_receipts"], len(responses)), (1, 1, 1))
+
+
+def external_crash(run, fault):
+    enqueue(run, "external")
+    first = observe(run, "after_crash", dispatch(run, 0, fault))
+    run.expect("unknown, not retried", first["sender_state"], "unknown")
+    return first
+
+
+@scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry")
+def before_external_effect(run):
+    external_crash(run, "before_external_effect")
+    final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["external_tickets"]), ("unknown", 1, 0))
+
+
+@scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot tell")
+def after_external_effect(run):
+    external_crash(run, "after_external_effect")
+    final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
+    run.expect("outcome", (final["sender_state"], final["attempts"], final["external_tickets"]), ("unknown", 1, 1))
+
+
+@scenario("article_1", "counterexample: retrying an unknown call anyway leaves two external tickets")
+def unsafe_external_retry(run):
+    external_crash(run, "after_external_effect")
+    connection = _open(run, reliability.SENDER)
+    try:
+        answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY, start=start_tool)
+    finally:
+        connection.close()
+    run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket {answer['ticket_id']}")
+    final = observe(run, "after_unsafe_retry", [code])
+    run.expect("duplicate", final["external_tickets"], 2)
+
+
+# --- article 7: preconditions.py ---------------------------------------------------------
+
+def transfer_state(run, stage, **extra):
+    """Record quantities, revisions, effects and receipts of the transfer database now."""
+    connection = preconditions.connect(run.db)
+    try:
+        seen = preconditions.snapshot(connection)
+    finally:
+        connection.close()
+    resources = seen["resources"]
+    observation = {"quantities": {n: r["quantity"] for n, r in resources.items()},
+                   "revisions": {n: r["revision"] for n, r in resources.items()},
+                   "effects": seen["effects"], "receipts": seen["receipts"], **extra}
+    run.stages[stage] = observation
+    run.log("observer", f"{stage}: " + ", ".join(f"{n} = {r['quantity']}@{r['revision']}"
+                                                for n, r in resources.items())
+            + f", effects {seen['effects']}, receipts {seen['receipts']}")
+    return observation
+
+
+def transfer_start(run, **resources):
+    preconditions.init(run.db, resources or {"A": 10, "B": 0})
+    run.log("parent", "start: " + ", ".join(f"{n} = {q}@1" for n, q in (resources or {"A": 10, "B": 0}).items()))
+
+
+def execute(run, op, command=PLAN, lane="parent"):
+    connection = preconditions.connect(run.db)
+    try:
+        result = preconditions.execute(connection, op, command)
+    finally:
+        connection.close()
+    run.log(lane, f"execute {op} expecting {command['expected']}: {result['status']}")
+    return result
+
+
+def change(run, name, delta, lane="parent"):
+    connection = preconditions.connect(run.db)
+    try:
+        result = preconditions.change(connection, name, delta)
+    finally:
+        connection.close()
+    run.log(lane, f"another write: {name} {delta:+d}")
+    return result
+
+
+def paused_child(run, *args):
+    """READY/GO over pipes: the child stops where it says READY until the parent has written."""
+    child = start("preconditions.py", *args)
+    try:
+        ready = child.readline().strip()
+        run.log("executor", f"child says {ready}")
+        change(run, "B", 2)
+        code, lines = finish(child, "GO\n")
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
+    result = json.loads(lines[-1])
+    run.log("executor", f"GO: child finished with {result['status']} and exited {code}")
+    return ready, code, result
+
+
+@scenario("article_7", "unsafe check-then-act: the plan is checked, B changes, the old plan is applied")
+def unsafe_check_then_act(run):
+    transfer_start(run)
+    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1", json.dumps(PLAN))
+    final = transfer_state(run, "after_go", status=result["status"], exit_code=code)
+    run.expect("handshake", ready, "READY")
+    run.expect("the bug", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
+
+
+@scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
+def safe_stale_rejected(run):
+    transfer_start(run)
+    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--wait")
+    final = transfer_state(run, "after_go", status=result["status"], observed=result.get("observed"),
+                           exit_code=code)
+    run.expect("handshake", ready, "READY")
+    run.expect("stale", (result["status"], result.get("observed")), ("stale", {"A": 1, "B": 2}))
+    run.expect("nothing moved", (final["quantities"], final["effects"]), ({"A": 10, "B": 2}, 0))
+
+
+@scenario("article_7", "applied, reply lost: the identical retry is replayed, not stale")
+def lost_ack_replay(run):
+    transfer_start(run)
+    first = execute(run, "job-1")
+    transfer_state(run, "after_first", status=first["status"])
+    retry = execute(run, "job-1", lane="retry")
+    final = transfer_state(run, "after_retry", status=retry["status"], result=retry.get("result"))
+    run.expect("statuses", (first["status"], retry["status"]), ("applied", "replayed"))
+    run.expect("history returned", retry.get("result"), first)
+    run.expect("one effect", (final["revisions"], final["effects"]), ({"A": 2, "B": 2}, 1))
+
+
+@scenario("article_7", "after stale, a refreshed plan under the old ID is conflict; under a new ID it applies")
+def replan_new_id(run):
+    transfer_start(run)
+    change(run, "B", 2)
+    first = execute(run, "job-1")
+    transfer_state(run, "after_stale", status=first["status"], observed=first.get("observed"))
+    replanned = dict(PLAN, expected=first["observed"])
+    same_id = execute(run, "job-1", replanned, lane="planner")
+    transfer_state(run, "after_same_id", status=same_id["status"])
+    new_id = execute(run, "job-2", replanned, lane="planner")
+    final = transfer_state(run, "after_new_id", status=new_id["status"])
+    run.expect("statuses", (first["status"], same_id["status"], new_id["status"]), ("stale", "conflict", "applied"))
+    run.expect("one effect", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
+
+
+@scenario("article_7", "ABA: A goes 10 -> 9 -> 10, its revision is 3, the old plan is stale")
+def aba_revision(run):
+    transfer_start(run)
+    change(run, "A", -1)
+    change(run, "A", 1)
+    result = execute(run, "job-1")
+    final = transfer_state(run, "after_execute", status=result["status"], observed=result.get("observed"))
+    run.expect("A looks unchanged", (final["quantities"]["A"], final["revisions"]["A"]), (10, 3))
+    run.expect("stale", (result["status"], final["effects"]), ("stale", 0))
+
+
+@scenario("article_7", "os._exit at three boundaries (71, 72, 73); each retry from a new process")
+def crash_points(run):
+    for boundary in preconditions.BOUNDARIES:
+        run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
+        transfer_start(run)
+        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--crash", boundary)
+        run.log("executor", f"child ran to {boundary} and exited {code}")
+        crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
+        retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+        run.log("retry", f"new process retries job-1: {retry['status']}")
+        final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"], exit_code=retry_code)
+        run.expect(f"{boundary} exit code", code, preconditions.EXIT_CODES[boundary])
+        committed = boundary == "after_commit"
+        run.expect(f"{boundary} survivors", (crashed["quantities"], crashed["effects"], crashed["receipts"]),
+                   ({"A": 7, "B": 3}, 1, 1) if committed else ({"A": 10, "B": 0}, 0, 0))
+        run.expect(f"{boundary} retry", (retry["status"], final["effects"]),
+                   ("replayed" if committed else "applied", 1))
+
+
+@scenario("article_7", "a stale rejection is committed, then the child exits; the retry reads it back")
+def stale_rejection_durable(run):
+    transfer_start(run)
+    change(run, "B", 2)
+    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--crash", "after_commit")
+    run.log("executor", f"child stored its stale rejection and exited {code}")
+    transfer_state(run, "after_crash", exit_code=code)
+    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+    stored = retry.get("result", {}).get("status")
+    run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
+    final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored, exit_code=retry_code)
+    run.expect("exit code", code, preconditions.EXIT_CODES["after_commit"])
+    run.expect("replayed rejection", (retry["status"], stored, final["effects"]), ("replayed", "stale", 0))
+
+
+@scenario("article_7", "test-only triggers abort the destination update, then the receipt: nothing half-applied")
+def trigger_faults(run):
+    transfer_start(run)
+    triggers = {
+        "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B'"
+                              " BEGIN SELECT RAISE(ABORT, 'injected destination fault'); END",
+        "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipts"
+                          " BEGIN SELECT RAISE(ABORT, 'injected receipt fault'); END",
+    }
+    for where, sql in triggers.items():
+        connection = preconditions.connect(run.db)
+        try:
+            connection.execute(sql)
+            try:
+                preconditions.execute(connection, "job-1", PLAN)
+                error = None
+            except preconditions.sqlite3.DatabaseError as caught:
+                error = type(caught).__name__
+            connection.execute("DROP TRIGGER fault")
+        finally:
+            connection.close()
+        run.log("parent", f"trigger on {where}: execute raised {error}")
+        final = transfer_state(run, f"{where}_fault", error=error)
+        run.expect(f"{where} raised", error is not None, True)
+        run.expect(f"{where} nothing half-applied", (final["quantities"], final["revisions"], final["effects"],
+                                                     final["receipts"]),
+                   ({"A": 10, "B": 0}, {"A": 1, "B": 1}, 0, 0))
+
+
+def threaded(run, ops):
+    """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan."""
+    statuses, lock = [], threading.Lock()
+
+    def worker(mine):
+        connection = preconditions.connect(run.db)
+        try:
+            for op in mine:
+                status = preconditions.execute(connection, op, PLAN)["status"]
+                with lock:
+                    statuses.append(status)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=worker, args=(ops[i::8],)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    counts = {status: statuses.count(status) for status in sorted(set(statuses))}
+    run.log("parent", f"8 threads, {len(ops)} submissions: {counts}")
+    return counts
+
+
+@scenario("article_7", "16 different IDs with the same snapshot from 8 threads: 1 applied, 15 stale")
+def concurrent_distinct_ops(run):
+    transfer_start(run)
+    counts = threaded(run, [f"job-{i}" for i in range(16)])
+    final = transfer_state(run, "after_race", statuses=counts)
+    run.expect("statuses", counts, {"applied": 1, "stale": 15})
+    run.expect("one effect", final["effects"], 1)
+
+
+@scenario("article_7", "16 submissions of one ID from 8 threads: 1 applied, 15 replayed")
+def concurrent_same_op(run):
+    transfer_start(run)
+    counts = threaded(run, ["job-1"] * 16)
+    final = transfer_state(run, "after_race", statuses=counts)
+    run.expect("statuses", counts, {"applied": 1, "replayed": 15})
+    run.expect("one effect", final["effects"], 1)
+
+
+@scenario("article_7", "counterexample: C changes but the plan declared only A and B, so it applies")
+def undeclared_dependency(run):
+    transfer_start(run, A=10, B=0, C=5)
+    change(run, "C", -1)
+    result = execute(run, "job-1")
+    final = transfer_state(run, "after_execute", status=result["status"])
+    run.expect("applies", (result["status"], final["quantities"]), ("applied", {"A": 7, "B": 3, "C": 4}))
+
+
+# --- results, comparison and the command line ------------------------------------------
+
+def results_of(runs):
+    results = {}
+    for run in runs:
+        results.setdefault(SCENARIOS[run.name][0], {})[run.name] = run.stages
+    return results
+
+
+def render(results):
+    return json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def flatten(value, prefix=""):
+    if isinstance(value, dict) and value:
+        items = {}
+        for key, inner in value.items():
+            items.update(flatten(inner, f"{prefix}.{key}" if prefix else key))
+        return items
+    return {prefix: value}
+
+
+def differences(expected, observed):
+    """Every leaf key whose value differs, as (key, expected, observed); missing is '<absent>'."""
+    left, right = flatten(expected), flatten(observed)
+    return [(key, left.get(key, "<absent>"), right.get(key, "<absent>"))
+            for key in sorted(set(left) | set(right)) if left.get(key, "<absent>") != right.get(key, "<absent>")]
+
+
+def summary(run):
+    """The figures a reader compares with the article's table."""
+    stages = list(run.stages.values())
+    if not stages:
+        return "no observation"
+    first, last = stages[0], stages[-1]
+    if "receiver_tickets" in last:
+        return (f"tickets {first['receiver_tickets']} -> {last['receiver_tickets']}, "
+                f"external {first['external_tickets']} -> {last['external_tickets']}, "
+                f"sender {last['sender_state']}, attempts {last['attempts']}")
+    quantities = ", ".join(f"{n} = {q}" for n, q in last["quantities"].items())
+    status = last.get("statuses") or last.get("status")
+    return f"{quantities}, effects {last['effects']}" + (f", {status}" if status else "")
+
+
+def marks():
+    encoding = (getattr(sys.stdout, "encoding", None) or "ascii").lower()
+    try:
+        "✓✗".encode(encoding)
+        return "✓", "✗"
+    except (LookupError, UnicodeEncodeError):
+        return "ok", "FAIL"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="run_experiment.py", description=__doc__.split("\n")[0],
+        epilog="exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage")
+    parser.add_argument("--check", nargs="?", const=RESULTS, metavar="PATH",
+                        help="compare with PATH (default: results.json next to this script)")
+    parser.add_argument("--output", metavar="FILE", help="write the deterministic results to FILE")
+    parser.add_argument("--json", action="store_true", help="print the deterministic results to stdout")
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
+    parser.add_argument("--explain", metavar="NAME", help="run one scenario and print its timeline")
+    args = parser.parse_args(argv)
+    names = list(SCENARIOS)
+    for name in (args.only or []) + ([args.explain] if args.explain else []):
+        if name not in SCENARIOS:
+            parser.error(f"unknown scenario {name!r}; see --list")
+    if args.list:
+        for name, (article, description, _) in SCENARIOS.items():
+            print(f"{article}  {name:28} {description}")
+        return 0
+    if args.explain:
+        return explain(run_all([args.explain])[0])
+    names = args.only or names
+    ok_mark, bad_mark = marks()
+    out = sys.stderr if args.json else sys.stdout
+    runs = run_all(names)
+    article = None
+    for run in runs:
+        if SCENARIOS[run.name][0] != article:
+            article = SCENARIOS[run.name][0]
+            print({"article_1": "Article 1: the tool did the work but the receipt was lost",
+                   "article_7": "Article 7: no duplicate execution, yet still wrong"}[article], file=out)
+        print(f"  {ok_mark if not run.failures else bad_mark} {run.name:28} {summary(run)}", file=out)
+        for failure in run.failures:
+            print(f"      invariant failed: {failure}", file=out)
+    failed = sum(bool(run.failures) for run in runs)
+    print(f"{len(runs) - failed}/{len(runs)} scenarios hold their invariants", file=out)
+    results = results_of(runs)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(render(results))
+    if args.json:
+        sys.stdout.write(render(results))
+    status = 1 if failed else 0
+    if args.check:
+        try:
+            with open(args.check, encoding="utf-8") as handle:
+                expected = json.load(handle)
+        except (OSError, ValueError) as error:
+            print(f"cannot read {args.check}: {error}", file=out)
+            return 1
+        if args.only:
+            expected = {a: {n: s for n, s in v.items() if n in names} for a, v in expected.items()}
+            expected = {a: v for a, v in expected.items() if v}
+        diffs = differences(expected, results)
+        for key, want, got in diffs:
+            print(f"  differs: {key}: expected {json.dumps(want)}, observed {json.dumps(got)}", file=out)
+        mismatched = {key.split(".")[1] for key, _, _ in diffs if "." in key}
+        print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {args.check}", file=out)
+        status = 1 if diffs or failed else status
+    return status
+
+
+def explain(run):
+    """Print one scenario's recorded events in lanes, then its invariant verdict."""
+    print(f"{run.name}: {SCENARIOS[run.name][1]}")
+    width = max(len(lane) for lane, _ in run.events) if run.events else 0
+    for step, (lane, text) in enumerate(run.events, 1):
+        print(f"{step:3}  {lane:{width}}  {text}")
+    ok_mark, bad_mark = marks()
+    print(f"{ok_mark if not run.failures else bad_mark} {summary(run)}")
+    for failure in run.failures:
+        print(f"    invariant failed: {failure}")
+    return 1 if run.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
