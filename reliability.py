@@ -21,6 +21,11 @@ import sqlite3
 import sys
 import time
 
+try:
+    import fcntl  # POSIX: writers wait in line on a lock file, outside SQLite
+except ImportError:
+    fcntl = None
+
 # Named crash boundaries, in the order a request meets them.  Each one makes the
 # process that owns it call os._exit(CRASH_EXIT): no finally, no flush, no COMMIT.
 BOUNDARIES = (
@@ -52,7 +57,9 @@ MAX_IDENTITY_LENGTH = 200    # caller and operation key, in characters
 MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
 CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
 BUSY_DEADLINE = 10.0         # seconds transaction() keeps retrying a busy database
-BUSY_PAUSE = 0.0005          # upper bound of one randomised pause between retries
+BUSY_PAUSE = 0.004           # seconds, upper bound of one random pause between tries...
+BUSY_PATIENCE = 0.02         # ...until a writer has waited this long,
+BUSY_PAUSE_URGENT = 0.0002   # ...then this one
 
 SENDER, RECEIVER, EXTERNAL = "sender.db", "receiver.db", "external.db"
 # PRAGMA user_version tells our three kinds of file apart from any other SQLite file.
@@ -100,6 +107,17 @@ class Busy(sqlite3.OperationalError):
     """The write lock could not be taken before the deadline; nothing was written."""
 
 
+class Connection(sqlite3.Connection):
+    """A sqlite3 connection that also holds its database's writer queue (``<db>-queue``)."""
+    queue = None
+
+    def close(self):
+        if self.queue is not None:
+            os.close(self.queue)
+            self.queue = None
+        super().close()
+
+
 # --- connections and transactions -------------------------------------------------
 
 def connect(path):
@@ -111,7 +129,7 @@ def connect(path):
     uri = "file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
     try:
         # A tiny SQLite busy timeout: transaction() does the waiting, fairly and with a deadline.
-        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=0.001)
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=0.001, factory=Connection)
     except sqlite3.OperationalError:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such database (it is never created on open)") from None
@@ -130,6 +148,8 @@ def connect(path):
         if connection.execute("PRAGMA synchronous").fetchone()[0] != 2 \
                 or connection.execute("PRAGMA foreign_keys").fetchone()[0] != 1:
             raise sqlite3.DatabaseError(f"{path}: synchronous=FULL or foreign_keys=ON did not take")
+        if fcntl is not None:
+            connection.queue = os.open(path + "-queue", os.O_RDWR | os.O_CREAT, 0o644)
     except BaseException:
         connection.close()
         raise
@@ -140,40 +160,52 @@ def connect(path):
 def transaction(connection, *, deadline=BUSY_DEADLINE):
     """Run the block in one BEGIN IMMEDIATE transaction: COMMIT on success, ROLLBACK on error.
 
-    While another writer holds the lock, BEGIN is retried after short random pauses
-    (no caller starves behind SQLite's growing back-off) until ``deadline`` seconds,
-    then Busy is raised with nothing written.  An error raised by COMMIT itself
-    (disk I/O, disk full) is an unknown outcome, not "nothing happened": after a
-    crash WAL recovery may still replay that commit, so look the key up again from
-    a fresh connection before deciding anything.
+    Writers first queue on ``<db>-queue`` (a POSIX flock the kernel releases if its
+    holder dies; plain SQLite retries where fcntl is missing), polling with random
+    pauses up to BUSY_PAUSE, then BEGIN IMMEDIATE.  After ``deadline`` seconds Busy
+    is raised with nothing written.  An error raised by COMMIT itself (disk I/O,
+    disk full) is an unknown outcome, not "nothing happened": WAL recovery may still
+    replay that commit, so look the key up again from a fresh connection.
     """
-    _begin_immediate(connection, deadline)
+    queue = getattr(connection, "queue", None)
+    give_up = time.monotonic() + deadline
+    if queue is not None:
+        # Waiting here, not in SQLite, keeps waiters from pinning WAL snapshots (the
+        # WAL stays small) and lets one writer run several transactions on a warm cache.
+        _retry(lambda: fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB), give_up, deadline)
     try:
-        yield connection
-        connection.execute("COMMIT")
-    except BaseException:
-        if connection.in_transaction:
-            connection.execute("ROLLBACK")
-        raise
+        _retry(lambda: connection.execute("BEGIN IMMEDIATE"), give_up, deadline)
+        try:
+            yield connection
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+    finally:
+        if queue is not None:
+            fcntl.flock(queue, fcntl.LOCK_UN)
 
 
-def _begin_immediate(connection, deadline):
-    give_up = None
+def _retry(attempt, give_up, deadline):
     while True:
         try:
-            connection.execute("BEGIN IMMEDIATE")
-            return
+            return attempt()
+        except BlockingIOError as error:  # another writer holds the queue
+            cause = error
         except sqlite3.OperationalError as error:
-            code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
-            busy = code & 0xFF in (5, 6) if code is not None else "locked" in str(error)
-            if not busy:
+            code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+; older: the message
+            if not (code & 0xFF in (5, 6) if code is not None else "locked" in str(error)):
                 raise
-            now = time.monotonic()
-            if give_up is None:
-                give_up = now + deadline
-            elif now >= give_up:
-                raise Busy(f"database still locked after {deadline} s; nothing was written") from error
-            time.sleep(random.random() * BUSY_PAUSE)
+            cause = error
+        now = time.monotonic()
+        if now >= give_up:
+            raise Busy(f"database still locked after {deadline} s; nothing was written") from cause
+        # Long random pauses let the current writer run several transactions on a warm
+        # cache; once a waiter has been patient long enough it polls often, so it is not
+        # starved behind that writer (SQLite's own back-off grows instead, up to 100 ms).
+        urgent = now - (give_up - deadline) > BUSY_PATIENCE
+        time.sleep(random.random() * (BUSY_PAUSE_URGENT if urgent else BUSY_PAUSE))
 
 
 # --- canonical form and digest ----------------------------------------------------
@@ -329,6 +361,9 @@ def claim(connection, now):
             if not rows:
                 return None
             caller, key, state, attempts, mode, digest, text = rows[0]
+            if mode not in MODES:
+                _block(connection, caller, key, f"corrupt intent: unknown mode {mode!r}")
+                continue
             if state == "inflight" and mode == "external":
                 # The old attempt may have reached the tool: retrying could act twice.
                 _set_state(connection, caller, key, attempts, "unknown")
@@ -339,14 +374,18 @@ def claim(connection, now):
                 if canonical(row["payload"])[1] != digest:
                     raise ValueError("digest mismatch")
             except (TypeError, ValueError) as error:
-                # A record we cannot trust is parked for a person, never sent.
-                connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?",
-                                   (_dumps({"error": f"corrupt intent: {error}"}), caller, key))
+                _block(connection, caller, key, f"corrupt intent: {error}")
                 continue
             connection.execute(
                 "UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?"
                 " WHERE caller = ? AND key = ?", (attempts + 1, now + LEASE_TICKS, caller, key))
             return row
+
+
+def _block(connection, caller, key, reason):
+    # A record we cannot trust is parked for a person, never sent.
+    connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?",
+                       (_dumps({"error": reason}), caller, key))
 
 
 def acknowledge(connection, caller, key, attempt, response):
@@ -403,6 +442,7 @@ def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT, start=
 
 def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """Call the tool for a claimed row and record the outcome under its attempt number."""
+    _check_fault(fault)
     response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
                                     timeout=timeout, start=start)
     _crash(fault, "after_response_before_ack")
@@ -434,6 +474,7 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     killed and reaped; its exit code is then None.
     """
     import subprocess  # only the sender spawns; tool children start faster without it
+    _check_fault(fault, CHILD_BOUNDARIES)
     kind = {"idempotent": "receive", "naive": "unsafe-receive", "external": "external"}[row["mode"]]
     argv = ["serve", kind, os.path.join(root, EXTERNAL if kind == "external" else RECEIVER)]
     if fault is not None:
@@ -480,6 +521,7 @@ def external_create_ticket(connection, caller, key, payload, *, fault=None):
     """The synthetic external tool: it creates a ticket on every call and keeps no receipt."""
     check_identity(caller, key)
     text, digest = canonical(payload)
+    _check_fault(fault)
     _crash(fault, "before_external_effect")
     with transaction(connection):
         ticket = connection.execute(
@@ -531,6 +573,7 @@ def unsafe_receive_without_receipt(connection, caller, key, payload, *, fault=No
     """UNSAFE baseline: creates a ticket on every call; a replay after a lost reply duplicates."""
     check_identity(caller, key)
     text, digest = canonical(payload)
+    _check_fault(fault)
     with transaction(connection):
         ticket = connection.execute(
             "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",

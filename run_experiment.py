@@ -21,6 +21,7 @@ import random
 import select
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -205,7 +206,7 @@ class Run:
         self.name, self.dir = name, directory
         self.root = directory  # reliability's three databases live here
         self.db = os.path.join(directory, "transfer.db")  # preconditions' database
-        self.stages, self.failures, self.events = {}, [], []
+        self.stages, self.failures, self.events, self.integrity = {}, [], [], {}
 
     def log(self, lane, text):
         self.events.append((lane, text))
@@ -225,11 +226,26 @@ def run_scenario(name, base):
             for database in reliability.KINDS:
                 shutil.copyfile(os.path.join(base, "template", database), os.path.join(run.root, database))
         function(run)
+        check_integrity(run)
     except Exception as error:  # an invariant of the harness itself broke: report, never hide
         run.failures.append(f"{type(error).__name__}: {error}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return run
+
+
+def check_integrity(run):
+    """After the scenario's crashes, every database it left must pass SQLite's own checks."""
+    for name in sorted(os.listdir(run.dir)):
+        if name.endswith(".db"):
+            connection = sqlite3.connect(os.path.join(run.dir, name))
+            try:
+                quick = connection.execute("PRAGMA quick_check").fetchall()
+                keys = connection.execute("PRAGMA foreign_key_check").fetchall()
+            finally:
+                connection.close()
+            run.integrity[name] = "ok" if quick == [("ok",)] and not keys else f"{quick} {keys}"
+            run.expect(f"integrity of {name}", run.integrity[name], "ok")
 
 
 def run_all(names):
@@ -681,7 +697,7 @@ def trigger_faults(run):
             try:
                 preconditions.execute(connection, "job-1", PLAN)
                 error = None
-            except preconditions.sqlite3.DatabaseError as caught:
+            except sqlite3.DatabaseError as caught:
                 error = type(caught).__name__
             connection.execute("DROP TRIGGER fault")
         finally:

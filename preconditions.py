@@ -1,0 +1,635 @@
+"""Version-checked transfer plans on one SQLite file (article 7 of the series).
+
+A plan {"src", "dst", "amount", "expected"} moves `amount` from `src` to `dst`
+only if both resources still carry the revisions the planner saw. `execute`
+answers, in this order and inside one BEGIN IMMEDIATE transaction:
+
+1. history first: a stored receipt for the same op and command -> "replayed"
+   with the stored result; the same op with another command -> "conflict";
+2. then the present, for a new op only: "missing_resource", "stale" (with the
+   observed revisions), "insufficient", "overflow";
+3. otherwise "applied": both rows updated with revision + 1, one effect row
+   and one receipt, committed together.
+
+Every business outcome, rejections included, is stored as a terminal receipt,
+so the same op and command get the same answer even after the state changes.
+Malformed input and lock time-outs raise and are never recorded.
+
+Guarantees hold for writers that go through this module on one local SQLite
+file in WAL mode with synchronous=FULL. Not covered: power loss beyond what
+SQLite's fsync gives, dependencies the plan does not declare (other rows,
+aggregates, range reads), cross-service snapshots, authorisation, and backups
+restored over newer data (revisions would move backwards).
+
+Standard library only; copy this file alone. CLI: see `main()`.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import random
+import sqlite3
+import sys
+import time
+
+# Crash boundaries for real-process tests: execute(..., crash=NAME) calls
+# os._exit(EXIT_CODES[NAME]) at that point.
+BOUNDARIES = ("after_source_update", "before_commit", "after_commit")
+EXIT_CODES = {"after_source_update": 71, "before_commit": 72, "after_commit": 73}
+
+# Input bounds. MAX_AMOUNT stays below 2**53 so any JSON reader, floats
+# included, round-trips it exactly; revisions and quantities use SQLite's
+# whole signed 64-bit range.
+MAX_OP_LENGTH = 128
+MAX_NAME_LENGTH = 64
+MAX_AMOUNT = 10 ** 15
+MAX_INT64 = 2 ** 63 - 1
+COMMAND_KEYS = frozenset(("src", "dst", "amount", "expected"))
+
+# Busy policy of transaction(): SQLite's own busy handler is kept at 1 ms and
+# BEGIN IMMEDIATE is retried from Python with a short random sleep until the
+# deadline, then Busy is raised.
+BUSY_DEADLINE = 5.0        # seconds
+BUSY_TIMEOUT_MS = 1        # SQLite busy handler per attempt
+BUSY_SLEEP_MAX = 0.0005    # seconds, upper bound of the random pause
+
+# Schema marker: connect() refuses any file that does not carry both.
+APPLICATION_ID = 0x50524543  # "PREC"
+SCHEMA_VERSION = 1
+SCHEMA = (
+    """CREATE TABLE resources (
+        name TEXT PRIMARY KEY,
+        quantity INTEGER NOT NULL
+            CHECK (typeof(quantity) = 'integer' AND quantity >= 0),
+        revision INTEGER NOT NULL
+            CHECK (typeof(revision) = 'integer' AND revision >= 1)
+    ) WITHOUT ROWID""",
+    # One row per op, immutable once committed (a `tick INTEGER` column for
+    # retention can be added later with ALTER TABLE).
+    """CREATE TABLE receipts (
+        op TEXT PRIMARY KEY,
+        digest TEXT NOT NULL,
+        result TEXT NOT NULL
+    ) WITHOUT ROWID""",
+    # Keyed by op: at most one effect per decision. The deferred foreign key:
+    # no effect commits without its receipt, which is written last.
+    """CREATE TABLE effects (
+        op TEXT PRIMARY KEY
+            REFERENCES receipts(op) DEFERRABLE INITIALLY DEFERRED,
+        src TEXT NOT NULL,
+        dst TEXT NOT NULL,
+        amount INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+)
+
+
+# --- connection and transaction helpers -------------------------------------
+
+class Busy(sqlite3.OperationalError):
+    """The write lock could not be taken before the deadline; nothing was done."""
+
+
+def _uri(path):
+    """A read-write-only SQLite URI: the file is never created by connect()."""
+    absolute = os.path.abspath(path).replace(os.sep, "/")
+    if not absolute.startswith("/"):
+        absolute = "/" + absolute
+    escaped = absolute.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    return "file://" + escaped + "?mode=rw"
+
+
+def _open(path):
+    try:
+        # A generous timeout while opening: the first reader of a WAL file may
+        # have to wait for another connection's WAL-index recovery.
+        return sqlite3.connect(_uri(path), uri=True, isolation_level=None,
+                               timeout=BUSY_DEADLINE)
+    except sqlite3.OperationalError:
+        if not os.path.exists(path):
+            raise FileNotFoundError(2, "no such database", path) from None
+        raise
+
+
+def _configure(connection, path, *, check_marker=True):
+    """Verify our marker, then WAL + FULL + foreign keys + tiny busy timeout."""
+    try:
+        if check_marker:
+            # Read the marker before any PRAGMA that could write: setting WAL
+            # on a 0-byte file would quietly turn it into a database.
+            marker = (connection.execute("PRAGMA application_id").fetchone()[0],
+                      connection.execute("PRAGMA user_version").fetchone()[0])
+            if marker != (APPLICATION_ID, SCHEMA_VERSION):
+                raise sqlite3.DatabaseError(
+                    f"{path}: not a preconditions database "
+                    f"(application_id={marker[0]}, user_version={marker[1]})")
+        mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise sqlite3.DatabaseError(f"{path}: journal_mode is {mode!r}, not 'wal'")
+        connection.execute("PRAGMA synchronous=FULL")
+        connection.execute("PRAGMA foreign_keys=ON")
+        checks = (connection.execute("PRAGMA synchronous").fetchone()[0],
+                  connection.execute("PRAGMA foreign_keys").fetchone()[0])
+        if checks != (2, 1):
+            raise sqlite3.DatabaseError(
+                f"{path}: synchronous/foreign_keys are {checks}, not (2, 1)")
+        connection.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_MS)}")
+    except BaseException as error:
+        connection.close()
+        # "file is not a database" and the like do not say which file.
+        if type(error) is sqlite3.DatabaseError and not str(error).startswith(f"{path}:"):
+            raise sqlite3.DatabaseError(f"{path}: {error}") from error
+        raise
+    return connection
+
+
+def connect(path):
+    """Open an existing preconditions database; never creates a file.
+
+    Missing file -> FileNotFoundError; a file that is not SQLite or not ours
+    (a 0-byte file included) -> sqlite3.DatabaseError naming the path.
+    """
+    return _configure(_open(path), path)
+
+
+def _is_busy(error):
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (any extended code)
+    message = str(error)  # Python 3.10: no error code on the exception
+    return "locked" in message or "busy" in message
+
+
+def _begin_immediate(connection, deadline):
+    stop = time.monotonic() + deadline
+    while True:
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as error:
+            if not _is_busy(error):
+                raise
+            if time.monotonic() >= stop:
+                raise Busy(f"database busy: write lock not taken within "
+                           f"{deadline:g} s; nothing was done") from error
+            time.sleep(random.random() * BUSY_SLEEP_MAX)
+
+
+@contextlib.contextmanager
+def transaction(connection, *, deadline=None):
+    """BEGIN IMMEDIATE ... COMMIT; ROLLBACK if the body (or COMMIT) raises.
+
+    Busy policy (bounded): the connection's SQLite busy timeout is ~1 ms and
+    BEGIN IMMEDIATE is retried here with a random sleep of at most 0.5 ms until
+    `deadline` seconds (default: module BUSY_DEADLINE) have passed, then
+    `Busy` (an sqlite3.OperationalError) is raised and nothing was done. Short
+    random retries keep throughput high and let no waiter starve behind
+    SQLite's growing back-off (up to 100 ms a try). Pure Python, so portable.
+
+    An error raised by COMMIT itself (disk I/O error, disk full) is an UNKNOWN
+    outcome, not "nothing happened": recover by looking the op up again from a
+    fresh connection.
+    """
+    _begin_immediate(connection, BUSY_DEADLINE if deadline is None else deadline)
+    try:
+        yield connection
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
+
+
+# --- canonical form and digest -----------------------------------------------
+
+_ENCODE = json.JSONEncoder(sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=False).encode
+_quote = json.encoder.encode_basestring
+
+
+def canonical(value):
+    """Sorted-key compact JSON; deterministic for the restricted command format."""
+    return _ENCODE(value)
+
+
+def command_json(command):
+    """canonical(command) for a validated command, spelled out for speed.
+
+    Same bytes as canonical(): keys in sorted order, strings escaped by the
+    encoder json uses with ensure_ascii=False (a test compares the two).
+    """
+    src, dst, expected = command["src"], command["dst"], command["expected"]
+    first, second = (src, dst) if src < dst else (dst, src)
+    return '{"amount":%d,"dst":%s,"expected":{%s:%d,%s:%d},"src":%s}' % (
+        command["amount"], _quote(dst), _quote(first), expected[first],
+        _quote(second), expected[second], _quote(src))
+
+
+def digest(command):
+    """SHA-256 hex of the canonical UTF-8 JSON of the whole (validated) command."""
+    return hashlib.sha256(command_json(command).encode("utf-8")).hexdigest()
+
+
+# --- validation ---------------------------------------------------------------
+
+def _check_text(value, what, limit):
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{what} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"{what} is longer than {limit} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text") from None
+
+
+def _check_int(value, what, low, high):
+    if type(value) is not int:  # bool and int subclasses are refused
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{what} must be between {low} and {high}, got {value}")
+
+
+def validate(op, command):
+    """Raise TypeError/ValueError unless op and command are well formed."""
+    _check_text(op, "op", MAX_OP_LENGTH)
+    if not isinstance(command, dict):
+        raise TypeError(f"command must be a dict, not {type(command).__name__}")
+    keys = set(command)
+    if keys != COMMAND_KEYS:
+        missing = sorted(map(str, COMMAND_KEYS - keys))
+        extra = sorted(map(repr, keys - COMMAND_KEYS))
+        raise ValueError(f"command keys must be exactly {sorted(COMMAND_KEYS)}; "
+                         f"missing {missing}, extra {extra}")
+    src, dst, expected = command["src"], command["dst"], command["expected"]
+    _check_text(src, "src", MAX_NAME_LENGTH)
+    _check_text(dst, "dst", MAX_NAME_LENGTH)
+    if src == dst:
+        raise ValueError("src and dst must be different resources")
+    _check_int(command["amount"], "amount", 1, MAX_AMOUNT)
+    if not isinstance(expected, dict):
+        raise TypeError(f"expected must be a dict, not {type(expected).__name__}")
+    if set(expected) != {src, dst}:
+        raise ValueError(f"expected must name exactly src and dst "
+                         f"({src!r}, {dst!r}), got {sorted(map(repr, expected))}")
+    _check_int(expected[src], f"expected[{src!r}]", 1, MAX_INT64)
+    _check_int(expected[dst], f"expected[{dst!r}]", 1, MAX_INT64)
+
+
+def _check_crash(crash):
+    if crash is not None and crash not in BOUNDARIES:
+        raise ValueError(f"crash must be None or one of {BOUNDARIES}, got {crash!r}")
+
+
+def _check_resources(resources):
+    if not isinstance(resources, dict):
+        raise TypeError(f"resources must be a dict, not {type(resources).__name__}")
+    if not resources:
+        raise ValueError("resources must name at least one resource")
+    for name, quantity in resources.items():
+        _check_text(name, "resource name", MAX_NAME_LENGTH)
+        _check_int(quantity, f"quantity of {name!r}", 0, MAX_INT64)
+
+
+# --- protocol -------------------------------------------------------------------
+
+def init(path, resources):
+    """Create a fresh database with each name: quantity at revision 1.
+
+    Refuses an existing path (FileExistsError); on failure removes what it made.
+    Returns the snapshot.
+    """
+    _check_resources(resources)
+    for leftover in (path + "-wal", path + "-journal"):
+        # SQLite would replay a journal left by an earlier file of this name
+        # into the fresh database.
+        if os.path.exists(leftover):
+            raise FileExistsError(17, "a journal of an earlier database is in the way", leftover)
+    # O_EXCL claims the path atomically: two inits cannot both succeed, and an
+    # existing file is never touched.
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    connection = None
+    try:
+        connection = _configure(_open(path), path, check_marker=False)
+        with transaction(connection):
+            for statement in SCHEMA:
+                connection.execute(statement)
+            connection.executemany(
+                "INSERT INTO resources (name, quantity, revision) VALUES (?, ?, 1)",
+                sorted(resources.items()))
+            # The marker commits with the schema, so connect() never accepts a
+            # half-built file.
+            connection.execute(f"PRAGMA application_id={APPLICATION_ID}")
+            connection.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        return snapshot(connection)
+    except BaseException:
+        if connection is not None:
+            connection.close()
+            connection = None
+        for leftover in (path, path + "-wal", path + "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)
+        raise
+    finally:
+        if connection is not None:
+            connection.close()
+
+
+def _answer(stored_digest, stored_result, command_digest):
+    """What a committed receipt says about this op and command."""
+    if stored_digest != command_digest:
+        return {"status": "conflict"}
+    return {"status": "replayed", "result": json.loads(stored_result)}
+
+
+def _store(connection, op, command_digest, result):
+    connection.execute("INSERT INTO receipts (op, digest, result) VALUES (?, ?, ?)",
+                       (op, command_digest, canonical(result)))
+    return result
+
+
+# Everything one decision depends on, in one read under the write lock: the
+# receipt (history) and both resource rows (the present).
+_READ_DECISION = """
+    SELECT receipts.digest, receipts.result,
+           src.quantity, src.revision, dst.quantity, dst.revision
+    FROM (SELECT ? AS op, ? AS src_name, ? AS dst_name) AS wanted
+    LEFT JOIN receipts ON receipts.op = wanted.op
+    LEFT JOIN resources AS src ON src.name = wanted.src_name
+    LEFT JOIN resources AS dst ON dst.name = wanted.dst_name"""
+
+
+def _decide(connection, op, command_digest, command, crash):
+    """History first, then the present; runs under the write lock.
+
+    Returns (result, stored): stored is True when this call wrote a receipt.
+    """
+    src, dst, amount = command["src"], command["dst"], command["amount"]
+    (stored_digest, stored_result, src_quantity, src_revision,
+     dst_quantity, dst_revision), = connection.execute(
+        _READ_DECISION, (op, src, dst)).fetchall()
+    # A receipt committed since the unlocked read wins over any state check,
+    # so a lost-ack retry is never called stale.
+    if stored_digest is not None:
+        return _answer(stored_digest, stored_result, command_digest), False
+    if src_revision is None or dst_revision is None:
+        missing = [name for name, revision in sorted(((src, src_revision), (dst, dst_revision)))
+                   if revision is None]
+        return _store(connection, op, command_digest,
+                      {"status": "missing_resource", "missing": missing}), True
+    expected = command["expected"]
+    if src_revision != expected[src] or dst_revision != expected[dst]:
+        return _store(connection, op, command_digest, {
+            "status": "stale", "observed": {src: src_revision, dst: dst_revision}}), True
+    if src_quantity < amount:
+        return _store(connection, op, command_digest,
+                      {"status": "insufficient", "available": src_quantity}), True
+    for name, revision in ((src, src_revision), (dst, dst_revision)):
+        if revision >= MAX_INT64:
+            return _store(connection, op, command_digest, {
+                "status": "overflow", "resource": name, "column": "revision"}), True
+    if dst_quantity > MAX_INT64 - amount:
+        return _store(connection, op, command_digest, {
+            "status": "overflow", "resource": dst, "column": "quantity"}), True
+    # Absolute values computed from the rows read under this same lock: no
+    # other writer can have moved them, and SQL arithmetic could turn an
+    # overflow into a REAL instead of failing.
+    update = "UPDATE resources SET quantity = ?, revision = ? WHERE name = ?"
+    connection.execute(update, (src_quantity - amount, src_revision + 1, src))
+    if crash == "after_source_update":
+        os._exit(EXIT_CODES["after_source_update"])
+    connection.execute(update, (dst_quantity + amount, dst_revision + 1, dst))
+    connection.execute("INSERT INTO effects (op, src, dst, amount) VALUES (?, ?, ?, ?)",
+                       (op, src, dst, amount))
+    result = _store(connection, op, command_digest, {
+        "status": "applied",
+        "revisions": {src: src_revision + 1, dst: dst_revision + 1},
+        "quantities": {src: src_quantity - amount, dst: dst_quantity + amount},
+    })
+    if crash == "before_commit":
+        os._exit(EXIT_CODES["before_commit"])
+    return result, True
+
+
+def execute(connection, op, command, *, crash=None):
+    """Run a version-checked transfer plan once; see the module docstring.
+
+    Returns {"status": "applied", "revisions": {...}, "quantities": {...}},
+    {"status": "stale", "observed": {...}}, {"status": "insufficient",
+    "available": q}, {"status": "missing_resource", "missing": [...]},
+    {"status": "overflow", "resource": name, "column": c},
+    {"status": "replayed", "result": <stored result>} or {"status": "conflict"}.
+    "replayed" is history, not the present: read snapshot() for current state.
+    Raises TypeError/ValueError for malformed input and Busy on lock time-out;
+    neither is recorded. `crash` exits the process at a named boundary (tests);
+    "after_commit" fires only when this call committed a new outcome.
+    """
+    validate(op, command)
+    _check_crash(crash)
+    command_digest = digest(command)
+    # Receipts are never updated or deleted once committed, so a receipt seen
+    # by this autocommit read (no lock) is exactly what a read under the write
+    # lock would see; fetchall() ends the read before BEGIN IMMEDIATE. A miss
+    # proves nothing and is re-checked under the lock in _decide.
+    try:
+        rows = connection.execute(
+            "SELECT digest, result FROM receipts WHERE op = ?", (op,)).fetchall()
+    except sqlite3.OperationalError as error:
+        if not _is_busy(error):
+            raise
+        rows = ()
+    if rows:
+        return _answer(rows[0][0], rows[0][1], command_digest)
+    with transaction(connection):
+        result, stored = _decide(connection, op, command_digest, command, crash)
+    # After COMMIT of whatever outcome this call stored, rejections included.
+    if crash == "after_commit" and stored:
+        os._exit(EXIT_CODES["after_commit"])
+    return result
+
+
+def change(connection, name, delta):
+    """The other business write: quantity + delta and revision + 1, atomically.
+
+    Returns {"status": "changed", "name", "quantity", "revision"}. Refusals
+    raise ValueError and change nothing: missing resource, negative result,
+    quantity or revision past MAX_INT64. A bool or non-int delta: TypeError.
+    """
+    _check_text(name, "name", MAX_NAME_LENGTH)
+    _check_int(delta, "delta", -MAX_INT64, MAX_INT64)
+    with transaction(connection):
+        row = connection.execute(
+            "SELECT quantity, revision FROM resources WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise ValueError(f"no resource named {name!r}")
+        quantity, revision = row[0] + delta, row[1] + 1
+        if quantity < 0:
+            raise ValueError(f"{name!r} would go negative ({row[0]} + {delta})")
+        if quantity > MAX_INT64 or revision > MAX_INT64:
+            raise ValueError(f"{name!r} would pass the signed 64-bit maximum")
+        connection.execute("UPDATE resources SET quantity = ?, revision = ? WHERE name = ?",
+                           (quantity, revision, name))
+    return {"status": "changed", "name": name, "quantity": quantity, "revision": revision}
+
+
+def snapshot(connection):
+    """Resources, effect and receipt counts from one consistent read."""
+    connection.execute("BEGIN")
+    try:
+        resources = {name: {"quantity": quantity, "revision": revision}
+                     for name, quantity, revision in connection.execute(
+                         "SELECT name, quantity, revision FROM resources ORDER BY name")}
+        effects = connection.execute("SELECT count(*) FROM effects").fetchone()[0]
+        receipts = connection.execute("SELECT count(*) FROM receipts").fetchone()[0]
+    finally:
+        connection.execute("COMMIT")
+    return {"resources": resources, "effects": effects, "receipts": receipts}
+
+
+# --- UNSAFE baseline: check, release, pause, then act. Never used above. -------
+
+def unsafe_check_then_act(connection, op, command, *, pause=None):
+    """DELIBERATELY UNSAFE: checks in one read, writes in a later transaction.
+
+    The check (receipt, revisions, balance) runs in autocommit reads and the
+    lock is released; `pause()` (if given) is called; then both rows are moved
+    relative to whatever they hold now, WITHOUT re-checking. A write between
+    the two phases is silently built upon: the bug the safe `execute` closes.
+    Read-phase rejections are returned without being stored.
+    """
+    validate(op, command)
+    command_digest = digest(command)
+    src, dst, amount = command["src"], command["dst"], command["amount"]
+    receipt = connection.execute(
+        "SELECT digest, result FROM receipts WHERE op = ?", (op,)).fetchall()
+    rows = {name: (quantity, revision) for name, quantity, revision in connection.execute(
+        "SELECT name, quantity, revision FROM resources WHERE name IN (?, ?)",
+        (src, dst)).fetchall()}
+    if pause is not None:
+        pause()
+    if receipt:
+        return _answer(receipt[0][0], receipt[0][1], command_digest)
+    if len(rows) != 2:
+        return {"status": "missing_resource",
+                "missing": sorted(name for name in (src, dst) if name not in rows)}
+    if any(rows[name][1] != command["expected"][name] for name in (src, dst)):
+        return {"status": "stale", "observed": {name: rows[name][1] for name in (src, dst)}}
+    if rows[src][0] < amount:
+        return {"status": "insufficient", "available": rows[src][0]}
+    with transaction(connection):
+        update = ("UPDATE resources SET quantity = quantity + ?, revision = revision + 1 "
+                  "WHERE name = ?")
+        connection.execute(update, (-amount, src))
+        connection.execute(update, (amount, dst))
+        after = {name: (quantity, revision) for name, quantity, revision in connection.execute(
+            "SELECT name, quantity, revision FROM resources WHERE name IN (?, ?)",
+            (src, dst)).fetchall()}
+        connection.execute("INSERT INTO effects (op, src, dst, amount) VALUES (?, ?, ?, ?)",
+                           (op, src, dst, amount))
+        return _store(connection, op, command_digest, {
+            "status": "applied",
+            "revisions": {name: after[name][1] for name in (src, dst)},
+            "quantities": {name: after[name][0] for name in (src, dst)},
+        })
+
+
+# --- CLI ----------------------------------------------------------------------------
+
+def _emit(value):
+    sys.stdout.write((value if isinstance(value, str) else canonical(value)) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_for_go():
+    """Print READY, then block until the parent sends GO on stdin."""
+    _emit("READY")
+    line = sys.stdin.readline()
+    if line.strip() != "GO":
+        raise ValueError(f"expected GO on stdin, got {line.strip()!r}")
+
+
+def _parse_command(text):
+    def no_duplicates(pairs):
+        keys = [key for key, _ in pairs]
+        if len(keys) != len(set(keys)):
+            raise ValueError("COMMAND_JSON repeats a key")
+        return dict(pairs)
+    return json.loads(text, object_pairs_hook=no_duplicates)
+
+
+def main(argv=None):
+    """python3 preconditions.py {init,execute,unsafe-check-then-act,change,snapshot} ...
+
+    Prints one line of compact sorted-key JSON; exit 0 ok, 1 refused/failed
+    (one line on stderr), 2 bad usage.
+    """
+    import argparse
+    parser = argparse.ArgumentParser(prog="preconditions.py",
+                                     description="Version-checked transfer plans on SQLite.")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    p = sub.add_parser("init", help="create a fresh database")
+    p.add_argument("db")
+    p.add_argument("resources", nargs="+", metavar="NAME=QTY")
+    p = sub.add_parser("execute", help="run a plan through the safe entry")
+    p.add_argument("db")
+    p.add_argument("op")
+    p.add_argument("command", metavar="COMMAND_JSON")
+    p.add_argument("--crash", choices=BOUNDARIES)
+    p.add_argument("--wait", action="store_true",
+                   help="print READY and wait for GO on stdin before executing")
+    p = sub.add_parser("unsafe-check-then-act", help="UNSAFE baseline; READY/GO between check and write")
+    p.add_argument("db")
+    p.add_argument("op")
+    p.add_argument("command", metavar="COMMAND_JSON")
+    p = sub.add_parser("change", help="quantity + DELTA, revision + 1")
+    p.add_argument("db")
+    p.add_argument("name")
+    p.add_argument("delta", type=int)
+    p = sub.add_parser("snapshot", help="print the current state")
+    p.add_argument("db")
+    args = parser.parse_args(argv)
+
+    resources = {}
+    if args.subcommand == "init":
+        for item in args.resources:
+            name, sep, quantity = item.rpartition("=")
+            if not sep or not name:
+                parser.error(f"expected NAME=QTY, got {item!r}")
+            if name in resources:
+                parser.error(f"resource {name!r} named twice")
+            try:
+                resources[name] = int(quantity)
+            except ValueError:
+                parser.error(f"quantity must be an integer in {item!r}")
+    try:
+        if args.subcommand == "init":
+            _emit(init(args.db, resources))
+            return 0
+        command = getattr(args, "command", None)
+        if command is not None:
+            command = _parse_command(command)
+        connection = connect(args.db)
+        try:
+            if args.subcommand == "execute":
+                if args.wait:
+                    _wait_for_go()
+                _emit(execute(connection, args.op, command, crash=args.crash))
+            elif args.subcommand == "unsafe-check-then-act":
+                _emit(unsafe_check_then_act(connection, args.op, command, pause=_wait_for_go))
+            elif args.subcommand == "change":
+                _emit(change(connection, args.name, args.delta))
+            else:
+                _emit(snapshot(connection))
+        finally:
+            connection.close()
+        return 0
+    except (ValueError, TypeError, OSError, sqlite3.Error) as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}: {message}\n")
+        sys.stderr.flush()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,630 @@
+"""Tests for preconditions.py: real SQLite files, real child processes.
+
+Run: python3 -m unittest test_preconditions   (also under -X dev -W error)
+"""
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from unittest import mock
+
+import preconditions as pre
+
+MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preconditions.py")
+WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
+START = {"A": {"quantity": 10, "revision": 1}, "B": {"quantity": 0, "revision": 1}}
+
+
+def plan(a=1, b=1, amount=3, src="A", dst="B"):
+    return {"src": src, "dst": dst, "amount": amount, "expected": {src: a, dst: b}}
+
+
+def child(*args):
+    """argv for a child exactly as the experiment driver starts it."""
+    return [sys.executable, "-I", "-S", MODULE, *args]
+
+
+def run_child(*args, stdin=None):
+    return subprocess.run(child(*args), input=stdin, capture_output=True, text=True,
+                          timeout=WATCHDOG)
+
+
+class Case(unittest.TestCase):
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.dir = tmp.name
+        self.db = self.make_db()
+        self.c = self.open()
+
+    def make_db(self, name="t.db", resources=None):
+        path = os.path.join(self.dir, name)
+        pre.init(path, resources or {"A": 10, "B": 0})
+        return path
+
+    def open(self, path=None):
+        connection = pre.connect(path or self.db)
+        self.addCleanup(connection.close)
+        return connection
+
+    def state(self, path=None):
+        """Snapshot from a fresh connection: what a recovering reader sees."""
+        connection = pre.connect(path or self.db)
+        try:
+            return pre.snapshot(connection)
+        finally:
+            connection.close()
+
+    def assert_state(self, resources, effects, receipts, path=None):
+        self.assertEqual(self.state(path),
+                         {"resources": resources, "effects": effects, "receipts": receipts})
+
+    def sql(self, statement, parameters=(), path=None):
+        """Direct SQL behind the protocol's back: test set-up only."""
+        connection = sqlite3.connect(path or self.db, isolation_level=None)
+        try:
+            connection.execute(statement, parameters)
+        finally:
+            connection.close()
+
+    def quick_check(self, path=None):
+        connection = pre.connect(path or self.db)
+        try:
+            return connection.execute("PRAGMA quick_check").fetchall()
+        finally:
+            connection.close()
+
+
+class Validation(Case):
+    """Malformed input raises before any transaction and stores nothing."""
+
+    def assert_refused(self, error, op, command):
+        with self.assertRaises(error):
+            pre.execute(self.c, op, command)
+        self.assert_state(START, 0, 0)
+
+    def test_missing_or_extra_command_keys_store_nothing(self):
+        missing = plan()
+        del missing["expected"]
+        extra = dict(plan(), note="x")
+        for command in (missing, extra, {}):
+            with self.subTest(command=command):
+                self.assert_refused(ValueError, "op-1", command)
+        self.assert_refused(TypeError, "op-1", [("src", "A")])
+
+    def test_same_source_and_destination_is_refused(self):
+        self.assert_refused(ValueError, "op-1",
+                            {"src": "A", "dst": "A", "amount": 3, "expected": {"A": 1}})
+
+    def test_empty_overlong_or_non_text_names_are_refused(self):
+        long_name = "x" * (pre.MAX_NAME_LENGTH + 1)
+        for src, error in (("", ValueError), (long_name, ValueError),
+                           ("\ud800", ValueError), (1, TypeError)):
+            with self.subTest(src=src):
+                self.assert_refused(error, "op-1", plan(src=src))
+
+    def test_bool_amount_or_revision_is_a_type_error(self):
+        self.assert_refused(TypeError, "op-1", plan(amount=True))
+        self.assert_refused(TypeError, "op-1", plan(a=True))
+        self.assert_refused(TypeError, "op-1", plan(b=False))
+        self.assert_refused(TypeError, "op-1", plan(amount=3.0))
+
+    def test_zero_negative_or_over_bound_integers_are_refused(self):
+        for command in (plan(amount=0), plan(amount=-3), plan(amount=pre.MAX_AMOUNT + 1),
+                        plan(a=0), plan(b=-1), plan(a=pre.MAX_INT64 + 1)):
+            with self.subTest(command=command):
+                self.assert_refused(ValueError, "op-1", command)
+
+    def test_expected_naming_the_wrong_resources_is_refused(self):
+        for expected in ({"A": 1}, {"A": 1, "C": 1}, {"A": 1, "B": 1, "C": 1}, {}):
+            with self.subTest(expected=expected):
+                self.assert_refused(ValueError, "op-1", dict(plan(), expected=expected))
+        self.assert_refused(TypeError, "op-1", dict(plan(), expected=[["A", 1], ["B", 1]]))
+
+    def test_op_must_be_a_bounded_non_empty_string(self):
+        self.assert_refused(TypeError, "op-1".encode(), plan())
+        self.assert_refused(TypeError, 7, plan())
+        self.assert_refused(ValueError, "", plan())
+        self.assert_refused(ValueError, "x" * (pre.MAX_OP_LENGTH + 1), plan())
+
+    def test_unknown_crash_boundary_is_refused_before_any_transaction(self):
+        with self.assertRaises(ValueError):
+            pre.execute(self.c, "op-1", plan(), crash="after_everything")
+        self.assert_state(START, 0, 0)
+
+    def test_values_exactly_at_the_stated_bounds_are_accepted(self):
+        name = "N" * pre.MAX_NAME_LENGTH
+        self.assertEqual(pre.execute(self.c, "x" * pre.MAX_OP_LENGTH, plan(amount=pre.MAX_AMOUNT)),
+                         {"status": "insufficient", "available": 10})
+        self.assertEqual(pre.execute(self.c, "op-2", plan(dst=name)),
+                         {"status": "missing_resource", "missing": [name]})
+
+    def test_digest_is_sha256_of_sorted_key_compact_json(self):
+        commands = [plan(), plan(src="é\"\\\n", dst="\u2028 Z", a=pre.MAX_INT64, amount=7),
+                    plan(src="b", dst="B"), plan(src="中文", dst="ascii")]
+        for command in commands:
+            text = json.dumps(command, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            with self.subTest(command=command):
+                self.assertEqual(pre.command_json(command), text)
+                self.assertEqual(pre.digest(command),
+                                 hashlib.sha256(text.encode("utf-8")).hexdigest())
+        self.assertNotEqual(pre.digest(plan()), pre.digest(plan(b=2)))
+
+
+class Protocol(Case):
+    def test_fresh_plan_applies_both_rows_with_revision_bump(self):
+        result = pre.execute(self.c, "job-1", plan())
+        self.assertEqual(result, {"status": "applied", "revisions": {"A": 2, "B": 2},
+                                  "quantities": {"A": 7, "B": 3}})
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+
+    def test_stale_plan_reports_observed_revisions_and_changes_nothing(self):
+        pre.change(self.c, "B", 2)
+        self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                         {"status": "stale", "observed": {"A": 1, "B": 2}})
+        self.assert_state({"A": {"quantity": 10, "revision": 1},
+                           "B": {"quantity": 2, "revision": 2}}, 0, 1)
+
+    def test_stale_on_the_source_alone_is_detected_too(self):
+        pre.change(self.c, "A", 5)
+        self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                         {"status": "stale", "observed": {"A": 2, "B": 1}})
+        self.assertEqual(self.state()["effects"], 0)
+
+    def test_replay_returns_original_result_after_later_changes(self):
+        first = pre.execute(self.c, "job-1", plan())
+        pre.change(self.c, "A", -1)
+        pre.change(self.c, "B", 5)
+        self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                         {"status": "replayed", "result": first})
+        self.assert_state({"A": {"quantity": 6, "revision": 3},
+                           "B": {"quantity": 8, "revision": 3}}, 1, 1)
+
+    def test_lost_ack_retry_is_replayed_not_stale(self):
+        first = pre.execute(self.c, "job-1", plan())  # this reply is "lost"
+        retry = pre.execute(self.open(), "job-1", plan())
+        self.assertEqual(retry, {"status": "replayed", "result": first})
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+
+    def test_same_op_with_refreshed_plan_is_conflict_and_a_new_op_applies(self):
+        pre.change(self.c, "B", 2)
+        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "stale")
+        observed = self.state()["resources"]
+        refreshed = plan(a=observed["A"]["revision"], b=observed["B"]["revision"])
+        self.assertEqual(pre.execute(self.c, "job-1", refreshed), {"status": "conflict"})
+        self.assert_state({"A": {"quantity": 10, "revision": 1},
+                           "B": {"quantity": 2, "revision": 2}}, 0, 1)  # conflict not stored
+        self.assertEqual(pre.execute(self.c, "job-2", refreshed)["status"], "applied")
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 5, "revision": 3}}, 1, 2)
+
+    def test_stale_rejection_is_memoised_even_if_revisions_match_again(self):
+        pre.change(self.c, "B", 2)
+        stale = pre.execute(self.c, "job-1", plan())
+        self.sql("UPDATE resources SET revision = 1 WHERE name = 'B'")  # a restored backup
+        self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                         {"status": "replayed", "result": stale})
+        self.assertEqual(self.state()["effects"], 0)
+
+    def test_insufficient_is_memoised_even_when_a_refill_would_let_it_apply(self):
+        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=11)),
+                         {"status": "insufficient", "available": 10})
+        self.sql("UPDATE resources SET quantity = 20 WHERE name = 'A'")
+        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=11)),
+                         {"status": "replayed",
+                          "result": {"status": "insufficient", "available": 10}})
+        self.assertEqual(pre.execute(self.c, "job-2", plan(amount=11))["status"], "applied")
+        self.assertEqual(self.state()["effects"], 1)
+
+    def test_missing_resource_is_memoised_even_after_the_resource_appears(self):
+        self.assertEqual(pre.execute(self.c, "job-1", plan(dst="Z")),
+                         {"status": "missing_resource", "missing": ["Z"]})
+        self.sql("INSERT INTO resources (name, quantity, revision) VALUES ('Z', 0, 1)")
+        self.assertEqual(pre.execute(self.c, "job-1", plan(dst="Z")),
+                         {"status": "replayed",
+                          "result": {"status": "missing_resource", "missing": ["Z"]}})
+        self.assertEqual(pre.execute(self.c, "job-2", plan(dst="Z"))["status"], "applied")
+
+    def test_revision_at_int64_max_is_refused_as_overflow_without_change(self):
+        self.sql("UPDATE resources SET revision = ? WHERE name = 'B'", (pre.MAX_INT64,))
+        self.assertEqual(pre.execute(self.c, "job-1", plan(b=pre.MAX_INT64)),
+                         {"status": "overflow", "resource": "B", "column": "revision"})
+        self.assert_state({"A": {"quantity": 10, "revision": 1},
+                           "B": {"quantity": 0, "revision": pre.MAX_INT64}}, 0, 1)
+
+    def test_destination_quantity_overflow_is_refused_and_the_exact_maximum_fits(self):
+        self.sql("UPDATE resources SET quantity = ? WHERE name = 'B'", (pre.MAX_INT64 - 2,))
+        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=3)),
+                         {"status": "overflow", "resource": "B", "column": "quantity"})
+        self.assertEqual(self.state()["resources"]["B"],
+                         {"quantity": pre.MAX_INT64 - 2, "revision": 1})
+        self.assertEqual(pre.execute(self.c, "job-2", plan(amount=2))["status"], "applied")
+        self.assertEqual(self.c.execute(
+            "SELECT quantity, typeof(quantity) FROM resources WHERE name = 'B'").fetchall(),
+            [(pre.MAX_INT64, "integer")])
+
+    def test_lock_timeout_raises_busy_and_records_nothing(self):
+        holder = self.open()
+        holder.execute("BEGIN IMMEDIATE")
+        with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
+            started = time.monotonic()
+            with self.assertRaises(pre.Busy) as caught:
+                pre.execute(self.c, "job-1", plan())
+            self.assertLess(time.monotonic() - started, 0.5)  # bounded by the deadline
+            with self.assertRaises(sqlite3.OperationalError):  # Busy is one
+                pre.change(self.c, "B", 2)
+        self.assertIn("busy", str(caught.exception))
+        holder.execute("ROLLBACK")
+        self.assert_state(START, 0, 0)
+        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "applied")
+
+    def test_replay_and_conflict_are_answered_while_another_writer_holds_the_lock(self):
+        first = pre.execute(self.c, "job-1", plan())
+        holder = self.open()
+        holder.execute("BEGIN IMMEDIATE")
+        with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
+            self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                             {"status": "replayed", "result": first})
+            self.assertEqual(pre.execute(self.c, "job-1", plan(a=2, b=2)), {"status": "conflict"})
+            with self.assertRaises(pre.Busy):  # a new op does need the lock
+                pre.execute(self.c, "job-2", plan(a=2, b=2))
+        holder.execute("ROLLBACK")
+        self.assertFalse(self.c.in_transaction)
+
+    def test_change_always_bumps_the_revision(self):
+        self.assertEqual(pre.change(self.c, "A", -1),
+                         {"status": "changed", "name": "A", "quantity": 9, "revision": 2})
+        self.assertEqual(pre.change(self.c, "A", 0)["revision"], 3)
+        self.assertEqual(pre.change(self.c, "A", 1),
+                         {"status": "changed", "name": "A", "quantity": 10, "revision": 4})
+
+    def test_change_refuses_negative_overflow_missing_and_non_int_without_change(self):
+        for name, delta, error in (("A", -11, ValueError), ("Z", 1, ValueError),
+                                   ("A", True, TypeError), ("A", 1.0, TypeError),
+                                   ("A", pre.MAX_INT64 + 1, ValueError)):
+            with self.subTest(name=name, delta=delta):
+                with self.assertRaises(error):
+                    pre.change(self.c, name, delta)
+        self.assert_state(START, 0, 0)
+        self.sql("UPDATE resources SET quantity = ? WHERE name = 'A'", (pre.MAX_INT64,))
+        with self.assertRaises(ValueError):
+            pre.change(self.c, "A", 1)
+        self.sql("UPDATE resources SET quantity = 0, revision = ? WHERE name = 'B'",
+                 (pre.MAX_INT64,))
+        with self.assertRaises(ValueError):
+            pre.change(self.c, "B", 1)
+        self.assert_state({"A": {"quantity": pre.MAX_INT64, "revision": 1},
+                           "B": {"quantity": 0, "revision": pre.MAX_INT64}}, 0, 0)
+
+    def test_aba_same_quantity_new_revision_makes_the_old_plan_stale(self):
+        pre.change(self.c, "A", -1)
+        pre.change(self.c, "A", 1)
+        self.assertEqual(self.state()["resources"]["A"], {"quantity": 10, "revision": 3})
+        self.assertEqual(pre.execute(self.c, "job-1", plan()),
+                         {"status": "stale", "observed": {"A": 3, "B": 1}})
+        self.assertEqual(self.state()["effects"], 0)
+
+    def test_undeclared_dependency_change_does_not_block_the_plan(self):
+        db = self.make_db("abc.db", {"A": 10, "B": 0, "C": 5})
+        c = self.open(db)
+        pre.change(c, "C", -1)
+        self.assertEqual(pre.execute(c, "job-1", plan())["status"], "applied")
+        self.assert_state({"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2},
+                           "C": {"quantity": 4, "revision": 2}}, 1, 1, db)
+
+    def test_trigger_abort_on_destination_update_leaves_nothing_half_applied(self):
+        self.sql("CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B' "
+                 "BEGIN SELECT RAISE(ABORT, 'injected fault'); END")
+        with self.assertRaisesRegex(sqlite3.DatabaseError, "injected fault"):
+            pre.execute(self.c, "job-1", plan())
+        self.assertFalse(self.c.in_transaction)
+        self.assert_state(START, 0, 0)
+        self.sql("DROP TRIGGER fault")
+        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "applied")
+
+    def test_trigger_abort_on_receipt_insert_leaves_nothing_half_applied(self):
+        self.sql("CREATE TRIGGER fault BEFORE INSERT ON receipts "
+                 "BEGIN SELECT RAISE(ABORT, 'injected fault'); END")
+        with self.assertRaisesRegex(sqlite3.DatabaseError, "injected fault"):
+            pre.execute(self.c, "job-1", plan())
+        self.assertFalse(self.c.in_transaction)
+        self.assert_state(START, 0, 0)
+
+
+class Concurrency(Case):
+    def submit_from_threads(self, ops):
+        """8 threads, each with its own connection, submit ops together."""
+        results, errors, lock = [], [], threading.Lock()
+        barrier = threading.Barrier(8)
+
+        def worker(mine):
+            try:
+                connection = pre.connect(self.db)
+                try:
+                    barrier.wait(timeout=WATCHDOG)
+                    for op in mine:
+                        result = pre.execute(connection, op, plan())
+                        with lock:
+                            results.append(result)
+                finally:
+                    connection.close()
+            except BaseException as error:  # reported below, not lost in the thread
+                with lock:
+                    errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(ops[k::8],)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WATCHDOG)
+        self.assertEqual(errors, [])
+        self.assertEqual(len(results), len(ops))
+        return results
+
+    def test_distinct_ops_racing_on_one_snapshot_apply_exactly_once(self):
+        results = self.submit_from_threads([f"job-{k}" for k in range(16)])
+        statuses = sorted(result["status"] for result in results)
+        self.assertEqual(statuses, ["applied"] + ["stale"] * 15)
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 3, "revision": 2}}, 1, 16)
+
+    def test_one_op_submitted_16_times_applies_once_and_replays_15(self):
+        results = self.submit_from_threads(["job-1"] * 16)
+        applied = [result for result in results if result["status"] == "applied"]
+        replayed = [result for result in results if result["status"] == "replayed"]
+        self.assertEqual((len(applied), len(replayed)), (1, 15))
+        self.assertTrue(all(result["result"] == applied[0] for result in replayed))
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+
+    def test_processes_contending_for_the_lock_all_finish_without_busy_errors(self):
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import preconditions as p\n"
+                "c = p.connect(sys.argv[2])\n"
+                "for _ in range(int(sys.argv[3])): p.change(c, 'B', 1)\n"
+                "c.close()")
+        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "15"]
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(4)]
+        outcomes = []
+        for proc in procs:
+            with proc:
+                outcomes.append((proc.communicate(timeout=WATCHDOG)[1], proc.returncode))
+        self.assertEqual(outcomes, [(b"", 0)] * 4)
+        self.assertEqual(self.state()["resources"]["B"], {"quantity": 60, "revision": 61})
+
+
+class CrashBoundaries(unittest.TestCase):
+    """Children exit with os._exit at each boundary; retries run in new processes.
+
+    All crashes run in parallel, then all retries: independent databases, so
+    the order between them changes nothing.
+    """
+    CASES = {  # name: (boundary, change B by +2 first)
+        "after_source_update": ("after_source_update", False),
+        "before_commit": ("before_commit", False),
+        "after_commit": ("after_commit", False),
+        "stale_after_commit": ("after_commit", True),
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(tmp.cleanup)
+        cls.dbs, cls.crashed, cls.after_crash, cls.retried, cls.after_retry = {}, {}, {}, {}, {}
+        for name, (_, move_b) in cls.CASES.items():
+            cls.dbs[name] = os.path.join(tmp.name, f"{name}.db")
+            pre.init(cls.dbs[name], {"A": 10, "B": 0})
+            if move_b:
+                connection = pre.connect(cls.dbs[name])
+                pre.change(connection, "B", 2)
+                connection.close()
+        cls.crashed = cls.run_all({name: ("execute", cls.dbs[name], "job-1", json.dumps(plan()),
+                                          "--crash", boundary)
+                                   for name, (boundary, _) in cls.CASES.items()})
+        cls.after_crash = {name: cls.snapshot(db) for name, db in cls.dbs.items()}
+        cls.retried = cls.run_all({name: ("execute", db, "job-1", json.dumps(plan()))
+                                   for name, db in cls.dbs.items()})
+        cls.after_retry = {name: cls.snapshot(db) for name, db in cls.dbs.items()}
+
+    @staticmethod
+    def run_all(argvs):
+        procs = {name: subprocess.Popen(child(*argv), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                 for name, argv in argvs.items()}
+        outcomes = {}
+        for name, proc in procs.items():
+            with proc:
+                out, err = proc.communicate(timeout=WATCHDOG)
+            outcomes[name] = (proc.returncode, out, err)
+        return outcomes
+
+    @staticmethod
+    def snapshot(path):
+        connection = pre.connect(path)
+        try:
+            return pre.snapshot(connection)
+        finally:
+            connection.close()
+
+    def assert_retry(self, name, result):
+        code, out, err = self.retried[name]
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(json.loads(out), result)
+
+    def test_crash_after_source_update_leaves_nothing_and_a_retry_applies(self):
+        self.assertEqual(self.crashed["after_source_update"], (71, "", ""))
+        self.assertEqual(self.after_crash["after_source_update"],
+                         {"resources": START, "effects": 0, "receipts": 0})
+        self.assert_retry("after_source_update", {
+            "status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}})
+
+    def test_crash_before_commit_leaves_nothing_and_a_retry_applies(self):
+        self.assertEqual(self.crashed["before_commit"], (72, "", ""))
+        self.assertEqual(self.after_crash["before_commit"],
+                         {"resources": START, "effects": 0, "receipts": 0})
+        self.assert_retry("before_commit", {
+            "status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}})
+
+    def test_crash_after_commit_keeps_everything_and_a_retry_is_replayed(self):
+        self.assertEqual(self.crashed["after_commit"], (73, "", ""))
+        applied = {"status": "applied", "revisions": {"A": 2, "B": 2},
+                   "quantities": {"A": 7, "B": 3}}
+        kept = {"resources": {"A": {"quantity": 7, "revision": 2},
+                              "B": {"quantity": 3, "revision": 2}}, "effects": 1, "receipts": 1}
+        self.assertEqual(self.after_crash["after_commit"], kept)
+        self.assert_retry("after_commit", {"status": "replayed", "result": applied})
+        self.assertEqual(self.after_retry["after_commit"], kept)
+
+    def test_committed_stale_rejection_survives_the_exit_and_is_replayed(self):
+        self.assertEqual(self.crashed["stale_after_commit"], (73, "", ""))
+        kept = {"resources": {"A": {"quantity": 10, "revision": 1},
+                              "B": {"quantity": 2, "revision": 2}}, "effects": 0, "receipts": 1}
+        self.assertEqual(self.after_crash["stale_after_commit"], kept)
+        self.assert_retry("stale_after_commit", {
+            "status": "replayed", "result": {"status": "stale", "observed": {"A": 1, "B": 2}}})
+        self.assertEqual(self.after_retry["stale_after_commit"], kept)
+
+    def test_every_database_passes_quick_check_after_the_crashes(self):
+        self.assertEqual(sorted(code for code, _, _ in self.crashed.values()), [71, 72, 73, 73])
+        for name, path in self.dbs.items():
+            connection = pre.connect(path)
+            try:
+                with self.subTest(name=name):
+                    self.assertEqual(connection.execute("PRAGMA quick_check").fetchall(),
+                                     [("ok",)])
+            finally:
+                connection.close()
+
+
+class ChildProcesses(Case):
+    def handshake(self, *args):
+        """Child prints READY and waits; parent adds 2 to B; then GO."""
+        with subprocess.Popen(child(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as proc:
+            watchdog = threading.Timer(WATCHDOG, proc.kill)
+            watchdog.start()
+            try:
+                self.assertEqual(proc.stdout.readline(), "READY\n")
+                pre.change(self.c, "B", 2)
+                out, err = proc.communicate("GO\n", timeout=WATCHDOG)
+            finally:
+                watchdog.cancel()
+                if proc.poll() is None:
+                    proc.kill()
+        self.assertEqual((proc.returncode, err), (0, ""))
+        return json.loads(out)
+
+    def test_unsafe_check_then_act_builds_on_a_changed_state(self):
+        result = self.handshake("unsafe-check-then-act", self.db, "job-1", json.dumps(plan()))
+        self.assertEqual(result["status"], "applied")
+        self.assert_state({"A": {"quantity": 7, "revision": 2},
+                           "B": {"quantity": 5, "revision": 3}}, 1, 1)
+
+    def test_safe_entry_after_the_same_interleaving_is_stale(self):
+        result = self.handshake("execute", self.db, "job-1", json.dumps(plan()), "--wait")
+        self.assertEqual(result, {"status": "stale", "observed": {"A": 1, "B": 2}})
+        self.assert_state({"A": {"quantity": 10, "revision": 1},
+                           "B": {"quantity": 2, "revision": 2}}, 0, 1)
+
+    def test_cli_prints_one_json_line_and_maps_errors_to_exit_codes(self):
+        fresh = os.path.join(self.dir, "cli.db")
+        made, usage, duplicate = CrashBoundaries.run_all({
+            "made": ("init", fresh, "A=10", "B=0"),
+            "usage": ("execute", self.db),
+            "duplicate": ("execute", self.db, "job-1", '{"src": "A", "src": "B"}'),
+        }).values()
+        self.assertEqual(made, (0, json.dumps(self.state(fresh), sort_keys=True,
+                                              separators=(",", ":")) + "\n", ""))
+        self.assertEqual(usage[:2], (2, ""))
+        self.assertEqual(duplicate[:2], (1, ""))
+        self.assertEqual(len(duplicate[2].splitlines()), 1)
+        self.assertNotIn("Traceback", duplicate[2])
+        self.assert_state(START, 0, 0)
+
+
+class Files(Case):
+    def test_connect_on_a_missing_file_raises_and_creates_nothing(self):
+        before = sorted(os.listdir(self.dir))
+        with self.assertRaises(FileNotFoundError):
+            pre.connect(os.path.join(self.dir, "missing.db"))
+        self.assertEqual(sorted(os.listdir(self.dir)), before)
+
+    def test_garbage_zero_byte_and_foreign_files_are_refused(self):
+        garbage = os.path.join(self.dir, "garbage.db")
+        with open(garbage, "wb") as handle:
+            handle.write(b"not a database, just bytes\n" * 200)
+        empty = os.path.join(self.dir, "empty.db")
+        open(empty, "wb").close()
+        foreign = os.path.join(self.dir, "foreign.db")
+        self.sql("CREATE TABLE resources (name TEXT)", path=foreign)
+        for path in (garbage, empty, foreign):
+            size = os.path.getsize(path)
+            with self.subTest(path=os.path.basename(path)):
+                with self.assertRaisesRegex(sqlite3.DatabaseError, "^" + re.escape(path)):
+                    pre.connect(path)
+                self.assertEqual(os.path.getsize(path), size)
+                self.assertFalse(os.path.exists(path + "-wal"))
+
+    def test_init_refuses_to_overwrite_anything(self):
+        with self.assertRaises(FileExistsError):
+            pre.init(self.db, {"A": 1})
+        self.assert_state(START, 0, 0)
+        other = os.path.join(self.dir, "notes.txt")
+        with open(other, "w") as handle:
+            handle.write("keep me")
+        with self.assertRaises(FileExistsError):
+            pre.init(other, {"A": 1})
+        with open(other) as handle:
+            self.assertEqual(handle.read(), "keep me")
+
+    def test_init_validates_resources_and_creates_nothing_when_refused(self):
+        path = os.path.join(self.dir, "new.db")
+        for resources, error in (({"A": True}, TypeError), ({"A": -1}, ValueError),
+                                 ({"A": pre.MAX_INT64 + 1}, ValueError), ({}, ValueError),
+                                 ({"": 1}, ValueError), ([("A", 1)], TypeError)):
+            with self.subTest(resources=resources):
+                with self.assertRaises(error):
+                    pre.init(path, resources)
+                self.assertFalse(os.path.exists(path))
+
+    def test_paths_with_uri_special_characters_open_the_right_file(self):
+        folder = os.path.join(self.dir, "odd %41 #dir?")
+        os.mkdir(folder)
+        path = os.path.join(folder, "odd ?name#%41.db")
+        pre.init(path, {"A": 1, "B": 2})
+        self.assertEqual(self.state(path)["resources"]["B"], {"quantity": 2, "revision": 1})
+        self.assertEqual(os.listdir(folder), ["odd ?name#%41.db"])
+        with self.assertRaises(FileNotFoundError):
+            pre.connect(os.path.join(folder, "odd ?other.db"))
+        self.assertEqual(os.listdir(folder), ["odd ?name#%41.db"])
+
+    def test_every_connection_reports_wal_full_foreign_keys_and_a_tiny_busy_timeout(self):
+        for connection in (self.c, self.open()):
+            self.assertIsNone(connection.isolation_level)
+            self.assertEqual(connection.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+            self.assertEqual(connection.execute("PRAGMA synchronous").fetchone()[0], 2)
+            self.assertEqual(connection.execute("PRAGMA foreign_keys").fetchone()[0], 1)
+            self.assertEqual(connection.execute("PRAGMA busy_timeout").fetchone()[0],
+                             pre.BUSY_TIMEOUT_MS)
+
+    def test_snapshot_is_sorted_and_counts_effects_and_receipts(self):
+        db = self.make_db("many.db", {"b": 1, "C": 2, "a": 3})
+        c = self.open(db)
+        pre.execute(c, "job-1", plan(src="a", dst="b", amount=1))
+        pre.execute(c, "job-2", plan(src="a", dst="b", amount=1))
+        snap = pre.snapshot(c)
+        self.assertEqual(list(snap["resources"]), ["C", "a", "b"])
+        self.assertEqual((snap["effects"], snap["receipts"]), (1, 2))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,912 @@
+"""Boundary tests for reliability.py (Agent 可靠执行实战（一）).
+
+Run with ``python3 test_reliability.py`` or ``python3 -X dev -W error -m unittest test_reliability``.
+Everything below uses real SQLite files in a fresh temporary directory and, where a
+test says so, real child processes.  Only the child *timeout* is simulated with
+unittest.mock, because a real one would have to wait for a clock.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import unittest
+from unittest import mock
+
+import reliability
+import run_experiment
+from reliability import (CRASH_EXIT, EXTERNAL, KINDS, LEASE_TICKS, MAX_PAYLOAD_BYTES, RECEIVER, SENDER,
+                         Busy, Conflict, CorruptRecord)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAYLOAD = {"title": "打印机卡纸", "priority": 2, "tags": ["office", "hardware"]}
+OTHER_PAYLOAD = {"title": "打印机卡纸", "priority": 3, "tags": ["office", "hardware"]}
+
+
+# --- helpers ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def workspace():
+    """A fresh root with the three databases initialised and one connection to each."""
+    with tempfile.TemporaryDirectory() as root:
+        reliability.init(root)
+        with contextlib.ExitStack() as stack:
+            opened = {}
+            for name in KINDS:
+                connection = reliability.connect(os.path.join(root, name))
+                stack.callback(connection.close)
+                opened[name] = connection
+            yield types.SimpleNamespace(root=root, sender=opened[SENDER], receiver=opened[RECEIVER],
+                                        external=opened[EXTERNAL])
+
+
+@contextlib.contextmanager
+def raw(path):
+    """A plain sqlite3 connection (foreign keys off, autocommit) for tampering behind the module's back."""
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def counts(ws):
+    one = lambda connection, sql: connection.execute(sql).fetchone()[0]
+    return {"requests": one(ws.sender, "SELECT count(*) FROM requests"),
+            "outbox": one(ws.sender, "SELECT count(*) FROM outbox"),
+            "tickets": one(ws.receiver, "SELECT count(*) FROM tickets"),
+            "receipts": one(ws.receiver, "SELECT count(*) FROM receipts"),
+            "external": one(ws.external, "SELECT count(*) FROM tickets")}
+
+
+EMPTY = {"requests": 0, "outbox": 0, "tickets": 0, "receipts": 0, "external": 0}
+
+
+def outbox(ws, caller="agent", key="k1"):
+    rows = [row for row in reliability.snapshot(ws.sender)["outbox"] if (row["caller"], row["key"]) == (caller, key)]
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def rows(connection, table):
+    return connection.execute(f"SELECT * FROM {table} ORDER BY 1, 2").fetchall()
+
+
+def file_bytes(path):
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def write_file(path, data):
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+GARBAGE = bytes(range(256)) * 16  # deterministic, and not an SQLite header
+
+
+class Case(unittest.TestCase):
+    def assert_integrity(self, ws):
+        for name, connection in (("sender", ws.sender), ("receiver", ws.receiver), ("external", ws.external)):
+            with self.subTest(database=name):
+                self.assertEqual(connection.execute("PRAGMA quick_check").fetchall(), [("ok",)])
+                self.assertEqual(connection.execute("PRAGMA foreign_key_check").fetchall(), [])
+
+    def ticket_id_in_receiver(self, ws, caller="agent", key="k1"):
+        found = ws.receiver.execute("SELECT ticket_id FROM receipts WHERE caller = ? AND key = ?",
+                                    (caller, key)).fetchall()
+        self.assertEqual(len(found), 1)
+        return found[0][0]
+
+
+# --- the idempotent receiver ---------------------------------------------------------
+
+class ReceiverTest(Case):
+    def test_same_key_same_payload_replays_identical_response_and_creates_no_ticket(self):
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            self.assertEqual(first, {"caller": "agent", "key": "k1", "digest": reliability.canonical(PAYLOAD)[1],
+                                     "ticket_id": 1})
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", PAYLOAD), first)
+            # A replay through another connection (as a restarted process would) answers the same.
+            with contextlib.closing(reliability.connect(os.path.join(ws.root, RECEIVER))) as again:
+                self.assertEqual(reliability.receive(again, "agent", "k1", dict(PAYLOAD)), first)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1, receipts=1))
+
+    def test_same_key_different_payload_is_rejected_and_ticket_unchanged(self):
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", {"n": 1})
+            tickets, receipts = rows(ws.receiver, "tickets"), rows(ws.receiver, "receipts")
+            # {"n": True} and {"n": 1.0} equal {"n": 1} in Python but are other JSON intents.
+            for changed in ({"n": 2}, {"n": True}, {"n": 1.0}, {"n": 1, "extra": None}, {}):
+                with self.subTest(payload=changed), self.assertRaises(Conflict):
+                    reliability.receive(ws.receiver, "agent", "k1", changed)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1, receipts=1))
+            self.assertEqual(rows(ws.receiver, "tickets"), tickets)
+            self.assertEqual(rows(ws.receiver, "receipts"), receipts)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", {"n": 1}), first)
+
+    def test_key_is_scoped_by_caller(self):
+        with workspace() as ws:
+            alice = reliability.receive(ws.receiver, "alice", "k1", PAYLOAD)
+            bob = reliability.receive(ws.receiver, "bob", "k1", PAYLOAD)
+            self.assertNotEqual(alice["ticket_id"], bob["ticket_id"])
+            self.assertEqual(reliability.receive(ws.receiver, "alice", "k1", PAYLOAD), alice)
+            self.assertEqual(reliability.receive(ws.receiver, "bob", "k1", PAYLOAD), bob)
+            # Scoping also means bob may use the key for another payload without touching alice's.
+            self.assertEqual(reliability.receive(ws.receiver, "carol", "k1", OTHER_PAYLOAD)["ticket_id"], 3)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=3, receipts=3))
+
+    def test_same_content_under_new_key_creates_new_ticket(self):
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            second = reliability.receive(ws.receiver, "agent", "k2", PAYLOAD)
+            self.assertEqual(first["digest"], second["digest"])
+            self.assertNotEqual(first["ticket_id"], second["ticket_id"])
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=2, receipts=2))
+
+    def test_payload_key_order_does_not_change_digest_or_identity(self):
+        one = {"b": [1, {"d": 1, "c": "é"}], "a": 1}
+        two = {"a": 1, "b": [1, {"c": "é", "d": 1}]}
+        text, digest = reliability.canonical(one)
+        self.assertEqual(text, '{"a":1,"b":[1,{"c":"é","d":1}]}')  # sorted, compact, not \u-escaped
+        self.assertEqual(digest, hashlib.sha256(text.encode("utf-8")).hexdigest())
+        self.assertEqual(reliability.canonical(two), (text, digest))
+        self.assertNotEqual(reliability.canonical({"a": 1, "b": [{"c": "é", "d": 1}, 1]})[1], digest)  # list order counts
+        with workspace() as ws:
+            response = reliability.receive(ws.receiver, "agent", "k1", one)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", two), response)
+            self.assertEqual(reliability.enqueue(ws.sender, "agent", "k1", one), "accepted")
+            self.assertEqual(reliability.enqueue(ws.sender, "agent", "k1", two), "duplicate")
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1, tickets=1, receipts=1))
+
+    def test_deleting_a_receipt_lets_a_late_replay_create_a_second_ticket(self):
+        # The article's retention counterexample: idempotency lasts only as long as the receipt.
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            ws.receiver.execute("DELETE FROM receipts WHERE caller = 'agent' AND key = 'k1'")
+            late = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            self.assertNotEqual(late["ticket_id"], first["ticket_id"])
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=2, receipts=1))
+
+
+# --- validation before any transaction ----------------------------------------------
+
+BAD_PAYLOADS = {
+    "NaN": {"a": float("nan")},
+    "Infinity": {"a": float("inf")},
+    "-Infinity": {"a": float("-inf")},
+    "int dict key": {1: "a"},
+    "nested int dict key": {"a": {2: "b"}},
+    "bool dict key": {True: "a"},
+    "tuple value": {"a": (1, 2)},
+    "nested tuple": {"a": [(1,)]},
+    "bytes": {"a": b"x"},
+    "set": {"a": {1}},
+    "list payload": [1, 2],
+    "JSON text payload": '{"a": 1}',
+    "None payload": None,
+    "over-size payload": {"a": "x" * MAX_PAYLOAD_BYTES},
+    "over-size in UTF-8 bytes only": {"a": "é" * (MAX_PAYLOAD_BYTES // 2)},
+    "lone surrogate value": {"a": "\ud800"},
+    "lone surrogate key": {"\udc00": 1},
+}
+BAD_IDENTITIES = {"empty": "", "over-long": "k" * (reliability.MAX_IDENTITY_LENGTH + 1), "int": 7,
+                  "bytes": b"k1", "None": None, "lone surrogate": "k\ud800"}
+
+
+def writers(ws):
+    """Every public function that would store an (identity, payload) pair, one per database."""
+    return {"receive": lambda c, k, p: reliability.receive(ws.receiver, c, k, p),
+            "enqueue": lambda c, k, p: reliability.enqueue(ws.sender, c, k, p),
+            "external_create_ticket": lambda c, k, p: reliability.external_create_ticket(ws.external, c, k, p)}
+
+
+class ValidationTest(Case):
+    def test_invalid_payloads_are_rejected_with_nothing_stored(self):
+        with workspace() as ws:
+            for label, payload in BAD_PAYLOADS.items():
+                for name, write in writers(ws).items():
+                    with self.subTest(payload=label, function=name):
+                        with self.assertRaises((TypeError, ValueError)):
+                            write("agent", "k1", payload)
+                        self.assertEqual(counts(ws), EMPTY)
+                        self.assertFalse(ws.sender.in_transaction or ws.receiver.in_transaction
+                                         or ws.external.in_transaction)
+
+    def test_payload_size_limit_is_inclusive_and_counted_in_utf8_bytes(self):
+        filler = MAX_PAYLOAD_BYTES - len('{"a":""}')
+        self.assertEqual(len(reliability.canonical({"a": "x" * filler})[0].encode()), MAX_PAYLOAD_BYTES)
+        with self.assertRaises(ValueError):
+            reliability.canonical({"a": "x" * (filler + 1)})
+        with workspace() as ws:
+            reliability.receive(ws.receiver, "agent", "k1", {"a": "x" * filler})
+            self.assertEqual(counts(ws)["tickets"], 1)
+
+    def test_invalid_identities_are_rejected_with_nothing_stored(self):
+        with workspace() as ws:
+            for label, bad in BAD_IDENTITIES.items():
+                for name, write in writers(ws).items():
+                    for position, (caller, key) in (("caller", (bad, "k1")), ("key", ("agent", bad))):
+                        with self.subTest(identity=label, position=position, function=name):
+                            with self.assertRaises((TypeError, ValueError)):
+                                write(caller, key, PAYLOAD)
+                            self.assertEqual(counts(ws), EMPTY)
+
+    def test_identity_length_is_counted_in_characters_up_to_the_limit(self):
+        longest = "𝄞" * reliability.MAX_IDENTITY_LENGTH  # 4 UTF-8 bytes each, still allowed
+        with workspace() as ws:
+            reliability.receive(ws.receiver, longest, longest, PAYLOAD)
+            self.assertEqual(reliability.enqueue(ws.sender, longest, longest, PAYLOAD), "accepted")
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1, tickets=1, receipts=1))
+
+    def test_unknown_fault_name_raises_value_error_before_anything_is_stored(self):
+        with workspace() as ws:
+            with self.assertRaises(ValueError):
+                reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, fault="after_receiver_comit")
+            with self.assertRaises(ValueError):  # a real boundary, but not one that enqueue owns
+                reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, fault="after_claim")
+            self.assertEqual(counts(ws), EMPTY)
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            with self.assertRaises(ValueError):
+                reliability.dispatch(ws.sender, ws.root, 0, fault="no_such_boundary")
+            self.assertEqual(outbox(ws)["state"], "pending")  # nothing was claimed
+            self.assertEqual(outbox(ws)["attempts"], 0)
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+    def test_external_tool_and_deliver_reject_unknown_fault_name(self):
+        # A misspelt fault must not silently turn a crash experiment into a successful call.
+        with workspace() as ws:
+            for name, function in (("external_create_ticket", reliability.external_create_ticket),
+                                   ("unsafe_receive_without_receipt", reliability.unsafe_receive_without_receipt)):
+                database = ws.external if name.startswith("external") else ws.receiver
+                with self.subTest(function=name):
+                    before = counts(ws)
+                    with self.assertRaises(ValueError):
+                        function(database, "agent", name, PAYLOAD, fault="after_external_efect")
+                    self.assertEqual(counts(ws), before)
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            row = reliability.claim(ws.sender, 0)
+            with self.subTest(function="deliver"):
+                before = counts(ws)
+                with self.assertRaises(ValueError):
+                    reliability.deliver(ws.sender, ws.root, row, fault="after_receiver_comit")
+                self.assertEqual(outbox(ws)["state"], "inflight")
+                self.assertEqual(counts(ws), before)
+
+
+# --- the durable outbox: enqueue ------------------------------------------------------
+
+class EnqueueTest(Case):
+    def test_duplicate_enqueue_adds_nothing(self):
+        with workspace() as ws:
+            self.assertEqual(reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD), "accepted")
+            before = rows(ws.sender, "requests"), rows(ws.sender, "outbox")
+            self.assertEqual(reliability.enqueue(ws.sender, "agent", "k1", dict(PAYLOAD)), "duplicate")
+            self.assertEqual((rows(ws.sender, "requests"), rows(ws.sender, "outbox")), before)
+            # A duplicate of a claimed intent neither resets nor re-queues it.
+            reliability.claim(ws.sender, 0)
+            self.assertEqual(reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD), "duplicate")
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("inflight", 1))
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+    def test_producer_conflict_raises_and_changes_nothing(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            before = rows(ws.sender, "requests"), rows(ws.sender, "outbox")
+            for label, payload, mode in (("payload", OTHER_PAYLOAD, "idempotent"), ("mode", PAYLOAD, "external"),
+                                         ("both", OTHER_PAYLOAD, "naive")):
+                with self.subTest(differs=label), self.assertRaises(Conflict):
+                    reliability.enqueue(ws.sender, "agent", "k1", payload, mode=mode)
+            self.assertEqual((rows(ws.sender, "requests"), rows(ws.sender, "outbox")), before)
+            # The same key under another caller is another intent.
+            self.assertEqual(reliability.enqueue(ws.sender, "other", "k1", OTHER_PAYLOAD), "accepted")
+            self.assertEqual(counts(ws), dict(EMPTY, requests=2, outbox=2))
+
+    def test_invalid_mode_is_rejected_with_nothing_stored(self):
+        with workspace() as ws:
+            for mode in ("unsafe", "", "IDEMPOTENT", None, ["idempotent"]):
+                with self.subTest(mode=mode), self.assertRaises(ValueError):
+                    reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode=mode)
+            self.assertEqual(counts(ws), EMPTY)
+
+
+# --- claims, leases and acknowledgements ----------------------------------------------
+
+class ClaimTest(Case):
+    def test_unexpired_lease_cannot_be_reclaimed_and_exact_expiry_tick_can(self):
+        with workspace() as ws:
+            self.assertIsNone(reliability.claim(ws.sender, 0))  # nothing enqueued
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            first = reliability.claim(ws.sender, 0)
+            self.assertEqual({k: first[k] for k in ("caller", "key", "attempt", "mode", "payload")},
+                             {"caller": "agent", "key": "k1", "attempt": 1, "mode": "idempotent", "payload": PAYLOAD})
+            self.assertEqual(outbox(ws)["lease_until"], LEASE_TICKS)
+            self.assertIsNone(reliability.claim(ws.sender, LEASE_TICKS - 1))
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("inflight", 1))
+            second = reliability.claim(ws.sender, LEASE_TICKS)
+            self.assertEqual(second["attempt"], 2)
+            self.assertEqual(outbox(ws)["lease_until"], 2 * LEASE_TICKS)
+            self.assertIsNone(reliability.claim(ws.sender, 2 * LEASE_TICKS - 1))
+
+    def test_claim_rejects_a_tick_that_is_not_a_non_negative_int(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            for now in (-1, True, 1.5, "3", None):
+                with self.subTest(now=now), self.assertRaises(ValueError):
+                    reliability.claim(ws.sender, now)
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("pending", 0))
+
+    def test_stale_acknowledgement_is_rejected_while_the_current_one_succeeds(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            response = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            self.assertEqual(reliability.claim(ws.sender, 0)["attempt"], 1)
+            self.assertEqual(reliability.claim(ws.sender, LEASE_TICKS)["attempt"], 2)
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 1, response), False)
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["response"]), ("inflight", None))
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, response), True)
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"], outbox(ws)["response"]),
+                             ("done", 2, response))
+            # Once done, not even the current attempt can write again.
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, response), False)
+
+    def test_forged_or_mismatched_responses_raise_and_never_mark_done(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            good = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            attempt = reliability.claim(ws.sender, 0)["attempt"]
+            forged = {
+                "wrong key": dict(good, key="k2"),
+                "wrong caller": dict(good, caller="mallory"),
+                "wrong digest": dict(good, digest=reliability.canonical(OTHER_PAYLOAD)[1]),
+                "True as ticket_id": dict(good, ticket_id=True),
+                "0 as ticket_id": dict(good, ticket_id=0),
+                "negative ticket_id": dict(good, ticket_id=-1),
+                "float ticket_id": dict(good, ticket_id=1.0),
+                "str ticket_id": dict(good, ticket_id="1"),
+                "extra field": dict(good, status="ok"),
+                "missing field": {k: v for k, v in good.items() if k != "digest"},
+                "conflict report": {"error": "conflict", "message": "x"},
+                "list": [good],
+                "None": None,
+                "JSON text": json.dumps(good),
+            }
+            for label, response in forged.items():
+                with self.subTest(response=label):
+                    with self.assertRaises(ValueError):
+                        reliability.acknowledge(ws.sender, "agent", "k1", attempt, response)
+                    with self.assertRaises(ValueError):
+                        reliability.check_response(response, "agent", "k1", good["digest"])
+                    self.assertEqual((outbox(ws)["state"], outbox(ws)["response"]), ("inflight", None))
+            with self.assertRaises(ValueError):  # an acknowledgement for a request that was never made
+                reliability.acknowledge(ws.sender, "agent", "k2", attempt, dict(good, key="k2"))
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", attempt, good), True)
+
+    def test_expired_inflight_external_row_becomes_unknown_and_is_not_returned(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+            self.assertEqual(reliability.claim(ws.sender, 0)["mode"], "external")
+            reliability.enqueue(ws.sender, "agent", "k2", PAYLOAD)  # a safe row queued behind it
+            self.assertEqual(reliability.claim(ws.sender, LEASE_TICKS + 1)["key"], "k2")
+            external = outbox(ws, key="k1")
+            self.assertEqual((external["state"], external["attempts"]), ("unknown", 1))
+            # Intent and payload are kept for reconciliation, and it is never handed out again.
+            self.assertEqual(ws.sender.execute("SELECT payload FROM requests WHERE key = 'k1'").fetchone()[0],
+                             reliability.canonical(PAYLOAD)[0])
+            self.assertEqual(reliability.claim(ws.sender, 1000)["key"], "k2")
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual(outbox(ws, key="k1")["state"], "unknown")
+
+
+# --- fail closed on corrupt records ----------------------------------------------------
+
+class FailClosedTest(Case):
+    def test_corrupted_outbox_payload_is_blocked_and_never_sent(self):
+        tampering = {
+            "payload replaced": ("payload", json.dumps(OTHER_PAYLOAD)),
+            "invalid JSON": ("payload", '{"title": "打印机'),
+            "JSON but not an object": ("payload", "[1, 2]"),
+            "NaN literal": ("payload", '{"a": NaN}'),
+            "digest replaced": ("digest", "0" * 64),
+        }
+        with workspace() as ws:
+            for index, (label, (column, value)) in enumerate(tampering.items()):
+                key = f"k{index}"
+                with self.subTest(tampering=label):
+                    reliability.enqueue(ws.sender, "agent", key, PAYLOAD)
+                    ws.sender.execute(f"UPDATE requests SET {column} = ? WHERE key = ?", (value, key))
+                    self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 0))  # None: no child was started
+                    row = outbox(ws, key=key)
+                    self.assertEqual((row["state"], row["attempts"]), ("blocked", 0))
+                    self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual(counts(ws), dict(EMPTY, requests=5, outbox=5))
+
+    def test_corrupt_row_does_not_hold_back_the_next_healthy_row(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            reliability.enqueue(ws.sender, "agent", "k2", PAYLOAD)
+            ws.sender.execute("UPDATE requests SET payload = 'garbage' WHERE key = 'k1'")
+            self.assertEqual(reliability.claim(ws.sender, 0)["key"], "k2")
+            self.assertEqual(outbox(ws, key="k1")["state"], "blocked")
+
+    def test_corrupt_receipt_makes_receive_raise_and_creates_no_ticket(self):
+        # Each variant gets its own key; "other" is a healthy neighbour used as a second ticket.
+        tampering = {
+            "response not JSON": "UPDATE receipts SET response = 'not json' WHERE key = :key",
+            "response edited": "UPDATE receipts SET response = replace(response, '\"ticket_id\":', '\"ticket_id\":9') "
+                               "WHERE key = :key",
+            "response is a list": "UPDATE receipts SET response = '[]' WHERE key = :key",
+            "response ticket_id true": "UPDATE receipts SET response = json_set(response, '$.ticket_id', json('true'))"
+                                       " WHERE key = :key",
+            "receipt points at another ticket": "UPDATE receipts SET ticket_id = "
+                                                "(SELECT id FROM tickets WHERE key = 'other') WHERE key = :key",
+            "ticket caller edited": "UPDATE tickets SET caller = 'mallory' WHERE key = :key",
+            "ticket key edited": "UPDATE tickets SET key = 'elsewhere' WHERE key = :key",
+            "ticket digest edited": "UPDATE tickets SET digest = 'x' WHERE key = :key",
+            "ticket deleted": "DELETE FROM tickets WHERE key = :key",
+        }
+        with workspace() as ws:
+            reliability.receive(ws.receiver, "agent", "other", PAYLOAD)
+            for index, (label, sql) in enumerate(tampering.items()):
+                key = f"k{index}"
+                with self.subTest(tampering=label):
+                    reliability.receive(ws.receiver, "agent", key, PAYLOAD)
+                    with raw(os.path.join(ws.root, RECEIVER)) as tamper:
+                        tamper.execute(sql, {"key": key})
+                    before = rows(ws.receiver, "tickets")
+                    for _ in range(2):  # and again: the refusal does not wear off
+                        with self.assertRaises(CorruptRecord):
+                            reliability.receive(ws.receiver, "agent", key, PAYLOAD)
+                    self.assertEqual(rows(ws.receiver, "tickets"), before)
+            # An edited receipt digest looks like another intent: refused as well, still no ticket.
+            reliability.receive(ws.receiver, "agent", "last", PAYLOAD)
+            ws.receiver.execute("UPDATE receipts SET digest = 'x' WHERE key = 'last'")
+            before = rows(ws.receiver, "tickets")
+            with self.assertRaises((Conflict, CorruptRecord)):
+                reliability.receive(ws.receiver, "agent", "last", PAYLOAD)
+            self.assertEqual(rows(ws.receiver, "tickets"), before)
+
+
+# --- database files -----------------------------------------------------------------
+
+class DatabaseFileTest(Case):
+    def test_connect_on_missing_path_raises_file_not_found_and_creates_nothing(self):
+        with tempfile.TemporaryDirectory() as root:
+            for path in (os.path.join(root, RECEIVER), os.path.join(root, "missing", RECEIVER)):
+                with self.subTest(path=path), self.assertRaises(FileNotFoundError):
+                    reliability.connect(path)
+            self.assertEqual(os.listdir(root), [])
+
+    def test_garbage_and_empty_files_raise_database_error_and_are_not_modified(self):
+        with tempfile.TemporaryDirectory() as root:
+            for label, content in (("garbage", GARBAGE), ("0-byte", b"")):
+                path = os.path.join(root, label, RECEIVER)
+                os.mkdir(os.path.dirname(path))
+                write_file(path, content)
+                with self.subTest(file=label):
+                    with self.assertRaises(sqlite3.DatabaseError):
+                        reliability.connect(path)
+                    self.assertEqual(file_bytes(path), content)
+                    self.assertEqual(os.listdir(os.path.dirname(path)), [RECEIVER])  # no -wal, no -shm
+
+    def test_sqlite_file_that_is_not_ours_is_refused_and_not_modified(self):
+        with tempfile.TemporaryDirectory() as root:
+            path = os.path.join(root, SENDER)
+            with raw(path) as foreign:
+                foreign.execute("CREATE TABLE notes (text TEXT)")
+                foreign.execute("INSERT INTO notes VALUES ('mine')")
+            content = file_bytes(path)
+            with self.assertRaises(sqlite3.DatabaseError):
+                reliability.connect(path)
+            self.assertEqual(file_bytes(path), content)
+            self.assertEqual(os.listdir(root), [SENDER])
+
+    def test_init_creates_exactly_three_databases_of_their_own_kind(self):
+        with tempfile.TemporaryDirectory() as root:
+            reliability.init(root)
+            self.assertEqual(sorted(os.listdir(root)), sorted(KINDS))
+            for name, kind in KINDS.items():
+                with contextlib.closing(reliability.connect(os.path.join(root, name))) as connection:
+                    self.assertEqual(connection.execute("PRAGMA user_version").fetchone()[0], kind)
+
+    def test_init_refuses_to_overwrite_and_leaves_existing_files_identical(self):
+        for existing in (*KINDS, RECEIVER + "-wal", SENDER + "-journal"):
+            with self.subTest(existing=existing), tempfile.TemporaryDirectory() as root:
+                write_file(os.path.join(root, existing), GARBAGE)
+                with self.assertRaises(FileExistsError):
+                    reliability.init(root)
+                self.assertEqual(os.listdir(root), [existing])  # nothing else was created either
+                self.assertEqual(file_bytes(os.path.join(root, existing)), GARBAGE)
+        with tempfile.TemporaryDirectory() as root:  # a real, used root
+            reliability.init(root)
+            with contextlib.closing(reliability.connect(os.path.join(root, RECEIVER))) as connection:
+                reliability.receive(connection, "agent", "k1", PAYLOAD)
+            before = {name: file_bytes(os.path.join(root, name)) for name in sorted(os.listdir(root))}
+            with self.assertRaises(FileExistsError):
+                reliability.init(root)
+            self.assertEqual({name: file_bytes(os.path.join(root, name)) for name in sorted(os.listdir(root))},
+                             before)
+
+    def test_every_connection_reports_wal_full_synchronous_and_foreign_keys(self):
+        with workspace() as ws:
+            for name, connection in ((SENDER, ws.sender), (RECEIVER, ws.receiver), (EXTERNAL, ws.external)):
+                with self.subTest(database=name):
+                    self.assertEqual(connection.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+                    self.assertEqual(connection.execute("PRAGMA synchronous").fetchone()[0], 2)
+                    self.assertEqual(connection.execute("PRAGMA foreign_keys").fetchone()[0], 1)
+                    self.assertIsNone(connection.isolation_level)
+            reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            with self.assertRaises(sqlite3.IntegrityError):  # and foreign keys are really enforced
+                ws.receiver.execute("DELETE FROM tickets")
+            self.assertEqual(counts(ws)["tickets"], 1)
+
+    def test_paths_with_uri_special_characters_open_the_named_file(self):
+        with tempfile.TemporaryDirectory() as parent:
+            root = os.path.join(parent, "a?mode=ro#b%41 c")
+            reliability.init(root)
+            with contextlib.closing(reliability.connect(os.path.join(root, RECEIVER))) as connection:
+                reliability.receive(connection, "agent", "k1", PAYLOAD)
+            with raw(os.path.join(root, RECEIVER)) as check:
+                self.assertEqual(check.execute("SELECT count(*) FROM tickets").fetchone()[0], 1)
+            self.assertEqual(os.listdir(parent), [os.path.basename(root)])
+
+
+# --- transactions and contention --------------------------------------------------------
+
+WORKER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import reliability
+connection = reliability.connect(sys.argv[2])
+try:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    shared = reliability.receive(connection, "agent", "shared", {"n": 0})
+    for i in range(50):
+        reliability.receive(connection, "agent", "w%s-%d" % (sys.argv[3], i), {"i": i})
+    print(shared["ticket_id"], flush=True)
+finally:
+    connection.close()
+"""
+
+
+class TransactionTest(Case):
+    def test_transaction_commits_on_success(self):
+        with workspace() as ws:
+            with reliability.transaction(ws.external) as connection:
+                self.assertIs(connection, ws.external)
+                self.assertTrue(ws.external.in_transaction)
+                ws.external.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES ('a', 'b', 'c', '{}')")
+            self.assertFalse(ws.external.in_transaction)
+            with raw(os.path.join(ws.root, EXTERNAL)) as other:
+                self.assertEqual(other.execute("SELECT count(*) FROM tickets").fetchone()[0], 1)
+
+    def test_transaction_rolls_back_on_exception_and_reraises_it(self):
+        class Boom(Exception):
+            pass
+        with workspace() as ws:
+            with self.assertRaises(Boom):
+                with reliability.transaction(ws.external):
+                    ws.external.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES ('a', 'b', 'c', '{}')")
+                    raise Boom
+            self.assertFalse(ws.external.in_transaction)
+            self.assertEqual(counts(ws)["external"], 0)
+
+    def test_lock_held_past_deadline_raises_busy_and_writes_nothing(self):
+        with workspace() as ws, contextlib.closing(reliability.connect(os.path.join(ws.root, RECEIVER))) as holder:
+            holder.execute("BEGIN IMMEDIATE")
+            ran = []
+            started = time.monotonic()
+            with self.assertRaises(Busy) as caught:
+                with reliability.transaction(ws.receiver, deadline=0.2):
+                    ran.append(True)
+            elapsed = time.monotonic() - started
+            holder.execute("ROLLBACK")
+            self.assertIsInstance(caught.exception, sqlite3.OperationalError)
+            self.assertEqual(ran, [])
+            self.assertGreaterEqual(elapsed, 0.2)  # it waited for the deadline...
+            self.assertLess(elapsed, 2.0)  # ...and not for the default one
+            self.assertFalse(ws.receiver.in_transaction)
+            # The lock is free again: the same connection writes normally.
+            reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            self.assertEqual(counts(ws)["tickets"], 1)
+
+    def test_concurrent_processes_store_every_ticket_exactly_once(self):
+        with workspace() as ws:
+            database = os.path.join(ws.root, RECEIVER)
+            workers = []
+            try:
+                for n in range(4):
+                    workers.append(subprocess.Popen([sys.executable, "-I", "-S", "-c", WORKER, HERE, database, str(n)],
+                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True))
+                for worker in workers:  # all imported and connected: release them together
+                    self.assertEqual(worker.stdout.readline(), "ready\n")
+                started = time.monotonic()
+                for worker in workers:
+                    worker.stdin.write("go\n")
+                    worker.stdin.flush()
+                results = [worker.communicate(timeout=30) + (worker.returncode,) for worker in workers]
+                elapsed = time.monotonic() - started
+            finally:
+                for worker in workers:
+                    if worker.poll() is None:
+                        worker.kill()
+                    worker.communicate()
+            for output, errors, code in results:
+                self.assertEqual((code, errors), (0, ""))
+            self.assertEqual(len({output for output, _, _ in results}), 1)  # one shared ticket id for all
+            self.assertLess(elapsed, 5.0)
+            expected = {("agent", "shared")} | {("agent", f"w{n}-{i}") for n in range(4) for i in range(50)}
+            for table in ("tickets", "receipts"):
+                found = ws.receiver.execute(f"SELECT caller, key FROM {table}").fetchall()
+                self.assertEqual(len(found), len(expected))
+                self.assertEqual(set(found), expected)
+            self.assert_integrity(ws)
+
+
+# --- dispatch with real child processes ------------------------------------------------
+
+class DispatchTest(Case):
+    def test_idempotent_happy_path_is_done_after_one_attempt_with_one_ticket(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            result = reliability.dispatch(ws.sender, ws.root, 0)
+            self.assertEqual((result["exit_code"], result["acknowledged"], result["attempt"]), (0, True, 1))
+            self.assertEqual(result["response"]["ticket_id"], self.ticket_id_in_receiver(ws))
+            row = outbox(ws)
+            self.assertEqual((row["state"], row["attempts"], row["response"]), ("done", 1, result["response"]))
+            self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 1000))  # done is never sent again
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1, tickets=1, receipts=1))
+
+    def test_receiver_crash_after_commit_then_recovery_replays_the_same_ticket(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            lost = reliability.dispatch(ws.sender, ws.root, 0, fault="after_receiver_commit")
+            self.assertEqual((lost["exit_code"], lost["response"], lost["acknowledged"]), (CRASH_EXIT, None, False))
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("inflight", 1))
+            self.assertEqual(counts(ws)["tickets"], 1)  # the effect happened; the sender cannot know it
+            ticket = self.ticket_id_in_receiver(ws)
+            self.assertIsNone(reliability.dispatch(ws.sender, ws.root, LEASE_TICKS - 1))  # lease still held
+            recovered = reliability.dispatch(ws.sender, ws.root, LEASE_TICKS + 1)
+            self.assertEqual((recovered["exit_code"], recovered["attempt"], recovered["acknowledged"]), (0, 2, True))
+            self.assertEqual(recovered["response"]["ticket_id"], ticket)
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("done", 2))
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1, tickets=1, receipts=1))
+            self.assert_integrity(ws)
+
+    def test_complete_response_flushed_before_child_exit_73_is_accepted(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            result = reliability.dispatch(ws.sender, ws.root, 0, fault="after_response_write")
+            self.assertEqual((result["exit_code"], result["acknowledged"]), (CRASH_EXIT, True))
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("done", 1))
+            self.assertEqual(counts(ws)["tickets"], 1)
+
+    def test_external_crash_leaves_unknown_and_is_not_retried_automatically(self):
+        for fault, effects in (("before_external_effect", 0), ("after_external_effect", 1)):
+            with self.subTest(fault=fault), workspace() as ws:
+                reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+                result = reliability.dispatch(ws.sender, ws.root, 0, fault=fault)
+                self.assertEqual((result["exit_code"], result["response"]), (CRASH_EXIT, None))
+                # The sender's view is the same whether or not the tool acted; only the observer sees the difference.
+                self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("unknown", 1))
+                self.assertIsNone(reliability.dispatch(ws.sender, ws.root, LEASE_TICKS + 1))
+                self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("unknown", 1))
+                self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1, external=effects))
+                self.assert_integrity(ws)
+
+    def test_receiver_conflict_blocks_the_row_and_leaves_the_original_ticket(self):
+        with workspace() as ws:
+            original = reliability.receive(ws.receiver, "agent", "k1", OTHER_PAYLOAD)
+            receipts = rows(ws.receiver, "receipts")
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            result = reliability.dispatch(ws.sender, ws.root, 0)
+            self.assertEqual((result["exit_code"], result["acknowledged"]), (0, False))
+            self.assertEqual(outbox(ws)["state"], "blocked")
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual(rows(ws.receiver, "receipts"), receipts)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", OTHER_PAYLOAD), original)
+            self.assertEqual(counts(ws)["tickets"], 1)
+
+
+# --- child timeout (simulated: the only mocked behaviour) ------------------------------
+
+def timed_out_child():
+    child = mock.Mock(name="child")
+    child.communicate.side_effect = [subprocess.TimeoutExpired(cmd="serve", timeout=0.5), ("", None)]
+    return child
+
+
+class ChildTimeoutTest(Case):
+    def assert_killed_and_reaped(self, child):
+        names = [entry[0] for entry in child.mock_calls]
+        self.assertEqual(names.count("kill"), 1)
+        self.assertEqual(child.communicate.call_args_list[0].kwargs.get("timeout"), 0.5)
+        self.assertTrue({"communicate", "wait"} & set(names[names.index("kill") + 1:]), names)  # reaped after kill
+
+    def test_child_timeout_is_killed_reaped_and_yields_no_result(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            row = reliability.claim(ws.sender, 0)
+            child = timed_out_child()
+            with mock.patch("subprocess.Popen", return_value=child) as popen:
+                self.assertEqual(reliability.call_tool(ws.root, row, timeout=0.5), (None, None))
+            self.assertEqual(popen.call_count, 1)
+            self.assertIn("serve", popen.call_args.args[0])
+            self.assert_killed_and_reaped(child)
+
+    def test_timeout_through_deliver_makes_external_unknown_and_keeps_idempotent_in_flight(self):
+        for mode, state in (("external", "unknown"), ("idempotent", "inflight")):
+            with self.subTest(mode=mode), workspace() as ws:
+                reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode=mode)
+                row = reliability.claim(ws.sender, 0)
+                child = timed_out_child()
+                with mock.patch("subprocess.Popen", return_value=child):
+                    result = reliability.deliver(ws.sender, ws.root, row, timeout=0.5)
+                self.assertEqual((result["exit_code"], result["response"], result["acknowledged"]),
+                                 (None, None, False))
+                self.assert_killed_and_reaped(child)
+                self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), (state, 1))
+                self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+
+# --- experiment scenarios (added by the driver's author) ---
+# The article's 16 scenarios run once per test process, each with real children that
+# die by os._exit, and every test below reads what that one run observed.
+
+ARTICLE_1 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_1"]
+_RUNS = {}
+
+
+def scenario(name):
+    if not _RUNS:
+        _RUNS.update((run.name, run) for run in run_experiment.run_all(ARTICLE_1))
+    return _RUNS[name].stages
+
+
+def figures(stage, *keys):
+    return tuple(stage[key] for key in keys)
+
+
+class ScenarioTest(unittest.TestCase):
+    def test_the_driver_names_exactly_the_articles_16_scenarios(self):
+        self.assertEqual(ARTICLE_1, [
+            "naive_lost_ack", "mark_before_send_loses_task", "idempotent_lost_ack", "before_intent_commit",
+            "after_intent_commit", "after_claim", "before_receiver_commit", "after_response_write",
+            "after_response_before_ack", "after_ack", "mismatched_payload", "concurrent_claim",
+            "concurrent_receiver", "before_external_effect", "after_external_effect", "unsafe_external_retry"])
+
+    def test_every_scenario_holds_its_invariants_and_leaves_sound_databases(self):
+        scenario(ARTICLE_1[0])
+        for name in ARTICLE_1:
+            with self.subTest(name):
+                self.assertEqual(_RUNS[name].failures, [])
+                self.assertEqual(sorted(_RUNS[name].integrity), sorted(KINDS))
+                self.assertEqual(set(_RUNS[name].integrity.values()), {"ok"})
+
+    def test_rerun_reproduces_the_committed_results_json(self):
+        scenario(ARTICLE_1[0])
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            committed = json.load(handle)["article_1"]
+        self.assertEqual(run_experiment.results_of(_RUNS.values())["article_1"], committed)
+
+    def test_naive_lost_ack_issues_a_second_ticket_on_recovery(self):
+        stages = scenario("naive_lost_ack")
+        self.assertEqual(stages["after_lost_ack"]["exit_codes"], [CRASH_EXIT])
+        self.assertEqual(figures(stages["after_lost_ack"], "receiver_tickets", "sender_state"), (1, "inflight"))
+        self.assertEqual(figures(stages["after_recovery"], "receiver_tickets", "sender_state", "attempts"),
+                         (2, "done", 2))
+
+    def test_marking_done_before_sending_loses_the_task_for_good(self):
+        stages = scenario("mark_before_send_loses_task")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "receiver_tickets", "exit_codes"),
+                         ("done", 0, [CRASH_EXIT]))
+        self.assertEqual(figures(stages["after_restart"], "sender_state", "receiver_tickets", "exit_codes"),
+                         ("done", 0, []))
+
+    def test_idempotent_lost_ack_replays_the_same_ticket(self):
+        stages = scenario("idempotent_lost_ack")
+        self.assertEqual(figures(stages["after_lost_ack"], "receiver_tickets", "receiver_receipts"), (1, 1))
+        final = stages["after_recovery"]
+        self.assertEqual(figures(final, "receiver_tickets", "sender_state", "attempts"), (1, "done", 2))
+        self.assertEqual(final["response"]["ticket_id"], 1)
+
+    def test_crash_before_intent_commit_stores_nothing_and_the_retry_delivers_once(self):
+        stages = scenario("before_intent_commit")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "intent_rows", "exit_codes"),
+                         ("absent", 0, [CRASH_EXIT]))
+        self.assertEqual(figures(stages["after_recovery"], "sender_state", "intent_rows", "receiver_tickets"),
+                         ("done", 1, 1))
+
+    def test_crash_after_intent_commit_keeps_the_intent_and_the_retry_adds_no_row(self):
+        stages = scenario("after_intent_commit")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "intent_rows"), ("pending", 1))
+        self.assertEqual(figures(stages["after_recovery"], "intent_rows", "receiver_tickets", "attempts"), (1, 1, 1))
+
+    def test_crash_after_claim_is_retried_only_after_the_lease_ends(self):
+        stages = scenario("after_claim")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "attempts"), ("inflight", 1))
+        self.assertEqual(figures(stages["before_lease_expiry"], "attempts", "receiver_tickets"), (1, 0))
+        self.assertEqual(figures(stages["after_recovery"], "sender_state", "attempts", "receiver_tickets"),
+                         ("done", 2, 1))
+
+    def test_receiver_crash_before_commit_leaves_neither_ticket_nor_receipt(self):
+        stages = scenario("before_receiver_commit")
+        self.assertEqual(figures(stages["after_crash"], "receiver_tickets", "receiver_receipts", "exit_codes"),
+                         (0, 0, [CRASH_EXIT]))
+        self.assertEqual(figures(stages["after_recovery"], "receiver_tickets", "sender_state"), (1, "done"))
+
+    def test_a_flushed_response_counts_although_the_receiver_then_exits_73(self):
+        stages = scenario("after_response_write")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "attempts", "exit_codes"),
+                         ("done", 1, [CRASH_EXIT]))
+        self.assertEqual(stages["after_restart"]["exit_codes"], [])
+
+    def test_sender_crash_before_recording_the_response_is_healed_by_replay(self):
+        stages = scenario("after_response_before_ack")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "receiver_tickets"), ("inflight", 1))
+        final = stages["after_recovery"]
+        self.assertEqual(figures(final, "sender_state", "receiver_tickets", "attempts"), ("done", 1, 2))
+        self.assertEqual(final["response"]["ticket_id"], 1)
+
+    def test_crash_after_ack_sends_nothing_on_restart(self):
+        stages = scenario("after_ack")
+        self.assertEqual(figures(stages["after_crash"], "sender_state", "receiver_tickets"), ("done", 1))
+        self.assertEqual(figures(stages["after_restart"], "attempts", "exit_codes"), (1, []))
+
+    def test_mismatched_payload_under_the_same_key_is_refused_and_the_ticket_unchanged(self):
+        stages = scenario("mismatched_payload")
+        self.assertEqual(stages["after_mismatch"]["refusal"], "conflict")
+        self.assertEqual(figures(stages["after_mismatch"], "receiver_tickets", "receiver_receipts"), (1, 1))
+        self.assertEqual(stages["after_mismatch"]["response"], stages["after_delivery"]["response"])
+
+    def test_eight_racing_claimers_produce_one_winner_and_a_stale_ack_is_refused(self):
+        stages = scenario("concurrent_claim")
+        self.assertEqual(stages["after_race"]["claim_winners"], 1)
+        self.assertEqual(stages["after_race"]["exit_codes"], [0] * 8)
+        self.assertIs(stages["after_stale_ack"]["stale_ack_accepted"], False)
+        self.assertEqual(figures(stages["after_recovery"], "sender_state", "attempts", "receiver_tickets"),
+                         ("done", 2, 1))
+
+    def test_eight_racing_receivers_create_one_ticket_and_give_one_answer(self):
+        final = scenario("concurrent_receiver")["after_race"]
+        self.assertEqual(figures(final, "receiver_tickets", "receiver_receipts", "distinct_responses"), (1, 1, 1))
+        self.assertEqual(final["exit_codes"], [0] * 8)
+
+    def test_external_crash_before_the_effect_is_unknown_with_no_ticket_and_no_retry(self):
+        stages = scenario("before_external_effect")
+        for stage in ("after_crash", "after_restart"):
+            self.assertEqual(figures(stages[stage], "sender_state", "attempts", "external_tickets"), ("unknown", 1, 0))
+
+    def test_external_crash_after_the_effect_is_unknown_with_one_ticket_and_no_retry(self):
+        stages = scenario("after_external_effect")
+        for stage in ("after_crash", "after_restart"):
+            self.assertEqual(figures(stages[stage], "sender_state", "attempts", "external_tickets"), ("unknown", 1, 1))
+
+    def test_retrying_an_unknown_external_call_anyway_duplicates_the_ticket(self):
+        final = scenario("unsafe_external_retry")["after_unsafe_retry"]
+        self.assertEqual(figures(final, "sender_state", "external_tickets"), ("unknown", 2))
+
+
+class ChildStartTest(unittest.TestCase):
+    def test_failed_batch_start_kills_and_reaps_the_children_already_started(self):
+        started = [mock.Mock(), mock.Mock(), mock.Mock()]
+        with mock.patch.object(run_experiment, "start", side_effect=started + [OSError("no more processes")]):
+            with self.assertRaises(OSError):
+                run_experiment.start_batch([("reliability.py", "claim", "root", "--now", 0)] * 8)
+        for child in started:
+            child.kill.assert_called_once_with()
+            child.communicate.assert_called_once_with()
+
+
+
+
+if __name__ == "__main__":  # keep last: classes defined below it would not run under `python3 test_reliability.py`
+    unittest.main()
