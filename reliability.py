@@ -128,8 +128,8 @@ def connect(path):
     """
     uri = "file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
     try:
-        # A tiny SQLite busy timeout: transaction() does the waiting, fairly and with a deadline.
-        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=0.001, factory=Connection)
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_DEADLINE,
+                                     factory=Connection)
     except sqlite3.OperationalError:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such database (it is never created on open)") from None
@@ -138,7 +138,9 @@ def connect(path):
         try:
             kind = connection.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as error:
-            raise sqlite3.DatabaseError(f"{path}: not a SQLite database ({error})") from None
+            if "not a database" not in str(error):
+                raise
+            raise sqlite3.DatabaseError(f"{path}: not a SQLite database") from None
         if kind not in KINDS.values():
             raise sqlite3.DatabaseError(f"{path}: not a reliability.py database (user_version {kind})")
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
@@ -160,21 +162,24 @@ def connect(path):
 def transaction(connection, *, deadline=BUSY_DEADLINE):
     """Run the block in one BEGIN IMMEDIATE transaction: COMMIT on success, ROLLBACK on error.
 
-    Writers first queue on ``<db>-queue`` (a POSIX flock the kernel releases if its
-    holder dies; plain SQLite retries where fcntl is missing), polling with random
-    pauses up to BUSY_PAUSE, then BEGIN IMMEDIATE.  After ``deadline`` seconds Busy
-    is raised with nothing written.  An error raised by COMMIT itself (disk I/O,
+    Writers first queue on ``<db>-queue``, a POSIX flock the kernel releases if its
+    holder dies, for at most ``deadline`` seconds; BEGIN then waits at most the
+    connection's busy timeout (BUSY_DEADLINE from connect()) for writers that do not
+    queue.  Either wait ends in Busy with nothing written.  Without fcntl (Windows)
+    only SQLite's busy handler waits.  An error raised by COMMIT itself (disk I/O,
     disk full) is an unknown outcome, not "nothing happened": WAL recovery may still
     replay that commit, so look the key up again from a fresh connection.
     """
     queue = getattr(connection, "queue", None)
-    give_up = time.monotonic() + deadline
     if queue is not None:
-        # Waiting here, not in SQLite, keeps waiters from pinning WAL snapshots (the
-        # WAL stays small) and lets one writer run several transactions on a warm cache.
-        _retry(lambda: fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB), give_up, deadline)
+        _wait_in_queue(queue, deadline)
     try:
-        _retry(lambda: connection.execute("BEGIN IMMEDIATE"), give_up, deadline)
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) and "busy" not in str(error):
+                raise
+            raise Busy("database still locked by a writer outside the queue; nothing was written") from error
         try:
             yield connection
             connection.execute("COMMIT")
@@ -187,25 +192,21 @@ def transaction(connection, *, deadline=BUSY_DEADLINE):
             fcntl.flock(queue, fcntl.LOCK_UN)
 
 
-def _retry(attempt, give_up, deadline):
+def _wait_in_queue(queue, deadline):
+    # Waiting here, not inside SQLite, keeps waiters from pinning WAL snapshots (the WAL
+    # stays small) and lets the current writer run several transactions on a warm cache.
+    started = time.monotonic()
     while True:
         try:
-            return attempt()
-        except BlockingIOError as error:  # another writer holds the queue
-            cause = error
-        except sqlite3.OperationalError as error:
-            code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+; older: the message
-            if not (code & 0xFF in (5, 6) if code is not None else "locked" in str(error)):
-                raise
-            cause = error
-        now = time.monotonic()
-        if now >= give_up:
-            raise Busy(f"database still locked after {deadline} s; nothing was written") from cause
-        # Long random pauses let the current writer run several transactions on a warm
-        # cache; once a waiter has been patient long enough it polls often, so it is not
-        # starved behind that writer (SQLite's own back-off grows instead, up to 100 ms).
-        urgent = now - (give_up - deadline) > BUSY_PATIENCE
-        time.sleep(random.random() * (BUSY_PAUSE_URGENT if urgent else BUSY_PAUSE))
+            fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - started
+            if waited >= deadline:
+                raise Busy(f"database still locked after {deadline} s; nothing was written") from None
+        # Random pauses, not SQLite's growing back-off (up to 100 ms a sleep): a writer
+        # that has been patient this long polls often, so it is not starved.
+        time.sleep(random.random() * (BUSY_PAUSE if waited < BUSY_PATIENCE else BUSY_PAUSE_URGENT))
 
 
 # --- canonical form and digest ----------------------------------------------------

@@ -2,10 +2,12 @@
 
 Run: python3 -m unittest test_preconditions   (also under -X dev -W error)
 """
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import preconditions as pre
 MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preconditions.py")
 WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
 START = {"A": {"quantity": 10, "revision": 1}, "B": {"quantity": 0, "revision": 1}}
+APPLIED = {"status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}}
 
 
 def plan(a=1, b=1, amount=3, src="A", dst="B"):
@@ -31,9 +34,18 @@ def child(*args):
     return [sys.executable, "-I", "-S", MODULE, *args]
 
 
-def run_child(*args, stdin=None):
-    return subprocess.run(child(*args), input=stdin, capture_output=True, text=True,
-                          timeout=WATCHDOG)
+TEMPLATE = {}  # the A = 10, B = 0 database made once by init(), copied per test
+
+
+def setUpModule():
+    tmp = tempfile.TemporaryDirectory()
+    TEMPLATE["dir"] = tmp
+    TEMPLATE["path"] = os.path.join(tmp.name, "template.db")
+    pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
+
+
+def tearDownModule():
+    TEMPLATE.pop("dir").cleanup()
 
 
 class Case(unittest.TestCase):
@@ -46,7 +58,10 @@ class Case(unittest.TestCase):
 
     def make_db(self, name="t.db", resources=None):
         path = os.path.join(self.dir, name)
-        pre.init(path, resources or {"A": 10, "B": 0})
+        if resources is None:  # a byte copy of a closed database: no fsync per test
+            shutil.copyfile(TEMPLATE["path"], path)
+        else:
+            pre.init(path, resources)
         return path
 
     def open(self, path=None):
@@ -361,7 +376,8 @@ class Concurrency(Case):
                 with lock:
                     errors.append(error)
 
-        threads = [threading.Thread(target=worker, args=(ops[k::8],)) for k in range(8)]
+        threads = [threading.Thread(target=worker, args=(ops[k::8],), daemon=True)
+                   for k in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -391,24 +407,66 @@ class Concurrency(Case):
                 "c = p.connect(sys.argv[2])\n"
                 "for _ in range(int(sys.argv[3])): p.change(c, 'B', 1)\n"
                 "c.close()")
-        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "15"]
+        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "10"]
         procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for _ in range(4)]
+                 for _ in range(3)]
         outcomes = []
         for proc in procs:
             with proc:
                 outcomes.append((proc.communicate(timeout=WATCHDOG)[1], proc.returncode))
-        self.assertEqual(outcomes, [(b"", 0)] * 4)
-        self.assertEqual(self.state()["resources"]["B"], {"quantity": 60, "revision": 61})
+        self.assertEqual(outcomes, [(b"", 0)] * 3)
+        self.assertEqual(self.state()["resources"]["B"], {"quantity": 30, "revision": 31})
 
 
-class CrashBoundaries(unittest.TestCase):
-    """Children exit with os._exit at each boundary; retries run in new processes.
+def snapshot_of(path):
+    connection = pre.connect(path)
+    try:
+        return pre.snapshot(connection)
+    finally:
+        connection.close()
 
-    All crashes run in parallel, then all retries: independent databases, so
-    the order between them changes nothing.
+
+def run_batch(argvs, handshakes=()):
+    """Start every child at once; return {name: (exit code, stdout, stderr)}.
+
+    For each name in `handshakes` (a dict name -> callable) the child must
+    print READY first; the callable then changes the state and GO is sent.
+    A watchdog kills whatever is still running after WATCHDOG seconds.
     """
-    CASES = {  # name: (boundary, change B by +2 first)
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for name, argv in argvs.items():
+            proc = stack.enter_context(subprocess.Popen(
+                child(*argv), stdin=subprocess.PIPE if name in handshakes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            stack.callback(lambda p=proc: p.poll() is None and p.kill())  # before Popen.__exit__
+            procs[name] = proc
+        watchdog = threading.Timer(WATCHDOG, lambda: [p.poll() is None and p.kill()
+                                                      for p in procs.values()])
+        watchdog.start()
+        stack.callback(watchdog.cancel)
+        ready, outcomes = {}, {}
+        for name, between in dict(handshakes).items():
+            ready[name] = procs[name].stdout.readline()
+            if ready[name] == "READY\n":
+                between()
+            out, err = procs[name].communicate("GO\n", timeout=WATCHDOG)
+            outcomes[name] = (procs[name].returncode, ready[name] + out, err)
+        for name, proc in procs.items():
+            if name not in outcomes:
+                out, err = proc.communicate(timeout=WATCHDOG)
+                outcomes[name] = (proc.returncode, out, err)
+        return outcomes
+
+
+class ChildProcesses(unittest.TestCase):
+    """Real child processes, started exactly as the experiment driver starts them.
+
+    setUpClass runs every scenario's first child at once, then every retry at
+    once: each scenario has its own database, so running them side by side
+    changes no outcome. The tests assert on what was recorded.
+    """
+    CRASHES = {  # scenario: (boundary, change B by +2 first)
         "after_source_update": ("after_source_update", False),
         "before_commit": ("before_commit", False),
         "after_commit": ("after_commit", False),
@@ -419,39 +477,38 @@ class CrashBoundaries(unittest.TestCase):
     def setUpClass(cls):
         tmp = tempfile.TemporaryDirectory()
         cls.addClassCleanup(tmp.cleanup)
-        cls.dbs, cls.crashed, cls.after_crash, cls.retried, cls.after_retry = {}, {}, {}, {}, {}
-        for name, (_, move_b) in cls.CASES.items():
-            cls.dbs[name] = os.path.join(tmp.name, f"{name}.db")
-            pre.init(cls.dbs[name], {"A": 10, "B": 0})
+        names = [*cls.CRASHES, "unsafe", "safe", "cli"]
+        cls.dbs = {name: os.path.join(tmp.name, f"{name}.db") for name in names}
+        for name in names:
+            shutil.copyfile(TEMPLATE["path"], cls.dbs[name])
+        for name, (_, move_b) in cls.CRASHES.items():
             if move_b:
-                connection = pre.connect(cls.dbs[name])
-                pre.change(connection, "B", 2)
-                connection.close()
-        cls.crashed = cls.run_all({name: ("execute", cls.dbs[name], "job-1", json.dumps(plan()),
-                                          "--crash", boundary)
-                                   for name, (boundary, _) in cls.CASES.items()})
-        cls.after_crash = {name: cls.snapshot(db) for name, db in cls.dbs.items()}
-        cls.retried = cls.run_all({name: ("execute", db, "job-1", json.dumps(plan()))
-                                   for name, db in cls.dbs.items()})
-        cls.after_retry = {name: cls.snapshot(db) for name, db in cls.dbs.items()}
+                cls.change_b(cls.dbs[name])
+        command = json.dumps(plan())
+        cls.cli_db = os.path.join(tmp.name, "cli-init.db")
+        first = {name: ("execute", cls.dbs[name], "job-1", command, "--crash", boundary)
+                 for name, (boundary, _) in cls.CRASHES.items()}
+        first.update({
+            "unsafe": ("unsafe-check-then-act", cls.dbs["unsafe"], "job-1", command),
+            "safe": ("execute", cls.dbs["safe"], "job-1", command, "--wait"),
+            "cli_init": ("init", cls.cli_db, "A=10", "B=0"),
+            "cli_usage": ("execute", cls.dbs["cli"]),
+            "cli_duplicate": ("execute", cls.dbs["cli"], "job-1", '{"src": "A", "src": "B"}'),
+            "cli_bad_plan": ("execute", cls.dbs["cli"], "job-1", json.dumps(plan(amount=True))),
+        })
+        cls.first = run_batch(first, handshakes={
+            "unsafe": lambda: cls.change_b(cls.dbs["unsafe"]),
+            "safe": lambda: cls.change_b(cls.dbs["safe"])})
+        cls.after_first = {name: snapshot_of(path) for name, path in cls.dbs.items()}
+        cls.retried = run_batch({name: ("execute", cls.dbs[name], "job-1", command)
+                                 for name in cls.CRASHES})
+        cls.after_retry = {name: snapshot_of(cls.dbs[name]) for name in cls.CRASHES}
 
     @staticmethod
-    def run_all(argvs):
-        procs = {name: subprocess.Popen(child(*argv), stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
-                 for name, argv in argvs.items()}
-        outcomes = {}
-        for name, proc in procs.items():
-            with proc:
-                out, err = proc.communicate(timeout=WATCHDOG)
-            outcomes[name] = (proc.returncode, out, err)
-        return outcomes
-
-    @staticmethod
-    def snapshot(path):
+    def change_b(path):
         connection = pre.connect(path)
         try:
-            return pre.snapshot(connection)
+            pre.change(connection, "B", 2)
         finally:
             connection.close()
 
@@ -461,42 +518,38 @@ class CrashBoundaries(unittest.TestCase):
         self.assertEqual(json.loads(out), result)
 
     def test_crash_after_source_update_leaves_nothing_and_a_retry_applies(self):
-        self.assertEqual(self.crashed["after_source_update"], (71, "", ""))
-        self.assertEqual(self.after_crash["after_source_update"],
+        self.assertEqual(self.first["after_source_update"], (71, "", ""))
+        self.assertEqual(self.after_first["after_source_update"],
                          {"resources": START, "effects": 0, "receipts": 0})
-        self.assert_retry("after_source_update", {
-            "status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}})
+        self.assert_retry("after_source_update", APPLIED)
 
     def test_crash_before_commit_leaves_nothing_and_a_retry_applies(self):
-        self.assertEqual(self.crashed["before_commit"], (72, "", ""))
-        self.assertEqual(self.after_crash["before_commit"],
+        self.assertEqual(self.first["before_commit"], (72, "", ""))
+        self.assertEqual(self.after_first["before_commit"],
                          {"resources": START, "effects": 0, "receipts": 0})
-        self.assert_retry("before_commit", {
-            "status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}})
+        self.assert_retry("before_commit", APPLIED)
 
     def test_crash_after_commit_keeps_everything_and_a_retry_is_replayed(self):
-        self.assertEqual(self.crashed["after_commit"], (73, "", ""))
-        applied = {"status": "applied", "revisions": {"A": 2, "B": 2},
-                   "quantities": {"A": 7, "B": 3}}
+        self.assertEqual(self.first["after_commit"], (73, "", ""))
         kept = {"resources": {"A": {"quantity": 7, "revision": 2},
                               "B": {"quantity": 3, "revision": 2}}, "effects": 1, "receipts": 1}
-        self.assertEqual(self.after_crash["after_commit"], kept)
-        self.assert_retry("after_commit", {"status": "replayed", "result": applied})
+        self.assertEqual(self.after_first["after_commit"], kept)
+        self.assert_retry("after_commit", {"status": "replayed", "result": APPLIED})
         self.assertEqual(self.after_retry["after_commit"], kept)
 
     def test_committed_stale_rejection_survives_the_exit_and_is_replayed(self):
-        self.assertEqual(self.crashed["stale_after_commit"], (73, "", ""))
+        self.assertEqual(self.first["stale_after_commit"], (73, "", ""))
         kept = {"resources": {"A": {"quantity": 10, "revision": 1},
                               "B": {"quantity": 2, "revision": 2}}, "effects": 0, "receipts": 1}
-        self.assertEqual(self.after_crash["stale_after_commit"], kept)
+        self.assertEqual(self.after_first["stale_after_commit"], kept)
         self.assert_retry("stale_after_commit", {
             "status": "replayed", "result": {"status": "stale", "observed": {"A": 1, "B": 2}}})
         self.assertEqual(self.after_retry["stale_after_commit"], kept)
 
     def test_every_database_passes_quick_check_after_the_crashes(self):
-        self.assertEqual(sorted(code for code, _, _ in self.crashed.values()), [71, 72, 73, 73])
-        for name, path in self.dbs.items():
-            connection = pre.connect(path)
+        self.assertEqual(sorted(self.first[name][0] for name in self.CRASHES), [71, 72, 73, 73])
+        for name in self.CRASHES:
+            connection = pre.connect(self.dbs[name])
             try:
                 with self.subTest(name=name):
                     self.assertEqual(connection.execute("PRAGMA quick_check").fetchall(),
@@ -504,51 +557,36 @@ class CrashBoundaries(unittest.TestCase):
             finally:
                 connection.close()
 
-
-class ChildProcesses(Case):
-    def handshake(self, *args):
-        """Child prints READY and waits; parent adds 2 to B; then GO."""
-        with subprocess.Popen(child(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) as proc:
-            watchdog = threading.Timer(WATCHDOG, proc.kill)
-            watchdog.start()
-            try:
-                self.assertEqual(proc.stdout.readline(), "READY\n")
-                pre.change(self.c, "B", 2)
-                out, err = proc.communicate("GO\n", timeout=WATCHDOG)
-            finally:
-                watchdog.cancel()
-                if proc.poll() is None:
-                    proc.kill()
-        self.assertEqual((proc.returncode, err), (0, ""))
-        return json.loads(out)
-
-    def test_unsafe_check_then_act_builds_on_a_changed_state(self):
-        result = self.handshake("unsafe-check-then-act", self.db, "job-1", json.dumps(plan()))
-        self.assertEqual(result["status"], "applied")
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 5, "revision": 3}}, 1, 1)
+    def test_unsafe_check_then_act_builds_on_a_state_changed_after_its_check(self):
+        code, out, err = self.first["unsafe"]
+        ready, result = out.split("\n", 1)
+        self.assertEqual((code, ready, err), (0, "READY", ""))
+        self.assertEqual(json.loads(result)["status"], "applied")
+        self.assertEqual(self.after_first["unsafe"], {
+            "resources": {"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 5, "revision": 3}},
+            "effects": 1, "receipts": 1})
 
     def test_safe_entry_after_the_same_interleaving_is_stale(self):
-        result = self.handshake("execute", self.db, "job-1", json.dumps(plan()), "--wait")
-        self.assertEqual(result, {"status": "stale", "observed": {"A": 1, "B": 2}})
-        self.assert_state({"A": {"quantity": 10, "revision": 1},
-                           "B": {"quantity": 2, "revision": 2}}, 0, 1)
+        code, out, err = self.first["safe"]
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(out, 'READY\n{"observed":{"A":1,"B":2},"status":"stale"}\n')
+        self.assertEqual(self.after_first["safe"], {
+            "resources": {"A": {"quantity": 10, "revision": 1},
+                          "B": {"quantity": 2, "revision": 2}},
+            "effects": 0, "receipts": 1})
 
     def test_cli_prints_one_json_line_and_maps_errors_to_exit_codes(self):
-        fresh = os.path.join(self.dir, "cli.db")
-        made, usage, duplicate = CrashBoundaries.run_all({
-            "made": ("init", fresh, "A=10", "B=0"),
-            "usage": ("execute", self.db),
-            "duplicate": ("execute", self.db, "job-1", '{"src": "A", "src": "B"}'),
-        }).values()
-        self.assertEqual(made, (0, json.dumps(self.state(fresh), sort_keys=True,
-                                              separators=(",", ":")) + "\n", ""))
-        self.assertEqual(usage[:2], (2, ""))
-        self.assertEqual(duplicate[:2], (1, ""))
-        self.assertEqual(len(duplicate[2].splitlines()), 1)
-        self.assertNotIn("Traceback", duplicate[2])
-        self.assert_state(START, 0, 0)
+        self.assertEqual(self.first["cli_init"], (0, json.dumps(
+            snapshot_of(self.cli_db), sort_keys=True, separators=(",", ":")) + "\n", ""))
+        self.assertEqual(self.first["cli_usage"][:2], (2, ""))
+        for name in ("cli_duplicate", "cli_bad_plan"):
+            code, out, err = self.first[name]
+            with self.subTest(name=name):
+                self.assertEqual((code, out), (1, ""))
+                self.assertEqual(len(err.splitlines()), 1)
+                self.assertNotIn("Traceback", err)
+        self.assertIn("TypeError", self.first["cli_bad_plan"][2])
+        self.assertEqual(self.after_first["cli"], {"resources": START, "effects": 0, "receipts": 0})
 
 
 class Files(Case):

@@ -598,16 +598,15 @@ class TransactionTest(Case):
             self.assertFalse(ws.external.in_transaction)
             self.assertEqual(counts(ws)["external"], 0)
 
-    def test_lock_held_past_deadline_raises_busy_and_writes_nothing(self):
+    def test_writer_queued_past_deadline_raises_busy_and_writes_nothing(self):
         with workspace() as ws, contextlib.closing(reliability.connect(os.path.join(ws.root, RECEIVER))) as holder:
-            holder.execute("BEGIN IMMEDIATE")
             ran = []
-            started = time.monotonic()
-            with self.assertRaises(Busy) as caught:
-                with reliability.transaction(ws.receiver, deadline=0.2):
-                    ran.append(True)
-            elapsed = time.monotonic() - started
-            holder.execute("ROLLBACK")
+            with reliability.transaction(holder):  # another writer holds the queue, and the lock
+                started = time.monotonic()
+                with self.assertRaises(Busy) as caught:
+                    with reliability.transaction(ws.receiver, deadline=0.2):
+                        ran.append(True)
+                elapsed = time.monotonic() - started
             self.assertIsInstance(caught.exception, sqlite3.OperationalError)
             self.assertEqual(ran, [])
             self.assertGreaterEqual(elapsed, 0.2)  # it waited for the deadline...
@@ -616,6 +615,16 @@ class TransactionTest(Case):
             # The lock is free again: the same connection writes normally.
             reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
             self.assertEqual(counts(ws)["tickets"], 1)
+
+    def test_writer_outside_the_queue_past_busy_timeout_raises_busy_and_writes_nothing(self):
+        with workspace() as ws, raw(os.path.join(ws.root, RECEIVER)) as foreign:
+            foreign.execute("BEGIN IMMEDIATE")
+            ws.receiver.execute("PRAGMA busy_timeout = 200")
+            with self.assertRaises(Busy):
+                reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
+            foreign.execute("ROLLBACK")
+            self.assertFalse(ws.receiver.in_transaction)
+            self.assertEqual(counts(ws)["tickets"], 0)
 
     def test_concurrent_processes_store_every_ticket_exactly_once(self):
         with workspace() as ws:
