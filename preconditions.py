@@ -21,7 +21,7 @@ SQLite's fsync gives, dependencies the plan does not declare (other rows,
 aggregates, range reads), cross-service snapshots, authorisation, and backups
 restored over newer data (revisions would move backwards).
 
-Standard library only; copy this file alone. CLI: see `main()`.
+Standard library only; copy this file alone. Command line: see main().
 """
 import contextlib
 import hashlib
@@ -32,7 +32,12 @@ import sqlite3
 import sys
 import time
 
-# Crash boundaries for real-process tests: execute(..., crash=NAME) calls
+try:
+    import fcntl  # POSIX: writers wait in line on a lock file, outside SQLite
+except ImportError:
+    fcntl = None
+
+# Crash boundaries for real-process tests: execute(..., fault=NAME) calls
 # os._exit(EXIT_CODES[NAME]) at that point.
 BOUNDARIES = ("after_source_update", "before_commit", "after_commit")
 EXIT_CODES = {"after_source_update": 71, "before_commit": 72, "after_commit": 73}
@@ -46,12 +51,11 @@ MAX_AMOUNT = 10 ** 15
 MAX_INT64 = 2 ** 63 - 1
 COMMAND_KEYS = frozenset(("src", "dst", "amount", "expected"))
 
-# Busy policy of transaction(): SQLite's own busy handler is kept at 1 ms and
-# BEGIN IMMEDIATE is retried from Python with a short random sleep until the
-# deadline, then Busy is raised.
-BUSY_DEADLINE = 5.0        # seconds
-BUSY_TIMEOUT_MS = 1        # SQLite busy handler per attempt
-BUSY_SLEEP_MAX = 0.0005    # seconds, upper bound of the random pause
+# Busy policy of transaction(): see its docstring.
+BUSY_DEADLINE = 10.0         # seconds a writer waits for the lock, then Busy
+BUSY_PAUSE = 0.004           # seconds, upper bound of one random pause in the queue...
+BUSY_PATIENCE = 0.02         # ...until a writer has waited this long,
+BUSY_PAUSE_URGENT = 0.0002   # ...then this one
 
 # Schema marker: connect() refuses any file that does not carry both.
 APPLICATION_ID = 0x50524543  # "PREC"
@@ -89,6 +93,17 @@ class Busy(sqlite3.OperationalError):
     """The write lock could not be taken before the deadline; nothing was done."""
 
 
+class Connection(sqlite3.Connection):
+    """A sqlite3 connection that also holds its database's writer queue (``<db>-queue``)."""
+    queue = None
+
+    def close(self):
+        if self.queue is not None:
+            os.close(self.queue)
+            self.queue = None
+        super().close()
+
+
 def _uri(path):
     """A read-write-only SQLite URI: the file is never created by connect()."""
     absolute = os.path.abspath(path).replace(os.sep, "/")
@@ -103,7 +118,7 @@ def _open(path):
         # A generous timeout while opening: the first reader of a WAL file may
         # have to wait for another connection's WAL-index recovery.
         return sqlite3.connect(_uri(path), uri=True, isolation_level=None,
-                               timeout=BUSY_DEADLINE)
+                               timeout=BUSY_DEADLINE, factory=Connection)
     except sqlite3.OperationalError:
         if not os.path.exists(path):
             raise FileNotFoundError(2, "no such database", path) from None
@@ -111,7 +126,7 @@ def _open(path):
 
 
 def _configure(connection, path, *, check_marker=True):
-    """Verify our marker, then WAL + FULL + foreign keys + tiny busy timeout."""
+    """Verify our marker, then WAL + FULL + foreign keys, and open the writer queue."""
     try:
         if check_marker:
             # Read the marker before any PRAGMA that could write: setting WAL
@@ -132,7 +147,8 @@ def _configure(connection, path, *, check_marker=True):
         if checks != (2, 1):
             raise sqlite3.DatabaseError(
                 f"{path}: synchronous/foreign_keys are {checks}, not (2, 1)")
-        connection.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_MS)}")
+        if fcntl is not None:
+            connection.queue = os.open(path + "-queue", os.O_RDWR | os.O_CREAT, 0o644)
     except BaseException as error:
         connection.close()
         # "file is not a database" and the like do not say which file.
@@ -145,58 +161,63 @@ def _configure(connection, path, *, check_marker=True):
 def connect(path):
     """Open an existing preconditions database; never creates a file.
 
-    Missing file -> FileNotFoundError; a file that is not SQLite or not ours
-    (a 0-byte file included) -> sqlite3.DatabaseError naming the path.
+    The connection runs in autocommit (isolation_level=None), WAL verified,
+    synchronous=FULL, foreign_keys=ON, busy timeout BUSY_DEADLINE. Missing file -> FileNotFoundError; a file that is
+    not SQLite or not ours (a 0-byte file included) -> sqlite3.DatabaseError
+    naming the path.
     """
     return _configure(_open(path), path)
 
 
-def _is_busy(error):
-    code = getattr(error, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (any extended code)
-    message = str(error)  # Python 3.10: no error code on the exception
-    return "locked" in message or "busy" in message
-
-
-def _begin_immediate(connection, deadline):
-    stop = time.monotonic() + deadline
-    while True:
-        try:
-            connection.execute("BEGIN IMMEDIATE")
-            return
-        except sqlite3.OperationalError as error:
-            if not _is_busy(error):
-                raise
-            if time.monotonic() >= stop:
-                raise Busy(f"database busy: write lock not taken within "
-                           f"{deadline:g} s; nothing was done") from error
-            time.sleep(random.random() * BUSY_SLEEP_MAX)
-
-
 @contextlib.contextmanager
 def transaction(connection, *, deadline=None):
-    """BEGIN IMMEDIATE ... COMMIT; ROLLBACK if the body (or COMMIT) raises.
+    """Run the block in one BEGIN IMMEDIATE transaction: COMMIT on success, ROLLBACK on error.
 
-    Busy policy (bounded): the connection's SQLite busy timeout is ~1 ms and
-    BEGIN IMMEDIATE is retried here with a random sleep of at most 0.5 ms until
-    `deadline` seconds (default: module BUSY_DEADLINE) have passed, then
-    `Busy` (an sqlite3.OperationalError) is raised and nothing was done. Short
-    random retries keep throughput high and let no waiter starve behind
-    SQLite's growing back-off (up to 100 ms a try). Pure Python, so portable.
-
-    An error raised by COMMIT itself (disk I/O error, disk full) is an UNKNOWN
-    outcome, not "nothing happened": recover by looking the op up again from a
-    fresh connection.
+    Writers first queue on ``<db>-queue``, a POSIX flock the kernel releases if its
+    holder dies, for at most ``deadline`` seconds (default BUSY_DEADLINE); BEGIN then
+    waits at most the connection's busy timeout for writers that do not queue.
+    Either wait ends in Busy with nothing written.  Without fcntl (Windows) only
+    SQLite's busy handler waits.  An error raised by COMMIT itself (disk I/O, disk
+    full) is an unknown outcome, not "nothing happened": WAL recovery may still
+    replay that commit, so look the op up again from a fresh connection.
     """
-    _begin_immediate(connection, BUSY_DEADLINE if deadline is None else deadline)
+    queue = getattr(connection, "queue", None)
+    if queue is not None:
+        _wait_in_queue(queue, BUSY_DEADLINE if deadline is None else deadline)
     try:
-        yield connection
-        connection.execute("COMMIT")
-    except BaseException:
-        if connection.in_transaction:
-            connection.execute("ROLLBACK")
-        raise
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) and "busy" not in str(error):
+                raise
+            raise Busy("database still locked by a writer outside the queue; nothing was written") from error
+        try:
+            yield connection
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+    finally:
+        if queue is not None:
+            fcntl.flock(queue, fcntl.LOCK_UN)
+
+
+def _wait_in_queue(queue, deadline):
+    # Waiting here, not inside SQLite, keeps waiters from pinning WAL snapshots (the WAL
+    # stays small) and lets the current writer run several transactions on a warm cache.
+    started = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - started
+            if waited >= deadline:
+                raise Busy(f"database busy: still locked after {deadline:g} s; nothing was written") from None
+        # Random pauses, not SQLite's growing back-off (up to 100 ms a sleep): a writer
+        # that has been patient this long polls often, so it is not starved.
+        time.sleep(random.random() * (BUSY_PAUSE if waited < BUSY_PATIENCE else BUSY_PAUSE_URGENT))
 
 
 # --- canonical form and digest -----------------------------------------------
@@ -277,9 +298,9 @@ def validate(op, command):
     _check_int(expected[dst], f"expected[{dst!r}]", 1, MAX_INT64)
 
 
-def _check_crash(crash):
-    if crash is not None and crash not in BOUNDARIES:
-        raise ValueError(f"crash must be None or one of {BOUNDARIES}, got {crash!r}")
+def _check_fault(fault):
+    if fault is not None and fault not in BOUNDARIES:
+        raise ValueError(f"fault must be None or one of {BOUNDARIES}, got {fault!r}")
 
 
 def _check_resources(resources):
@@ -360,7 +381,7 @@ _READ_DECISION = """
     LEFT JOIN resources AS dst ON dst.name = wanted.dst_name"""
 
 
-def _decide(connection, op, command_digest, command, crash):
+def _decide(connection, op, command_digest, command, fault):
     """History first, then the present; runs under the write lock.
 
     Returns (result, stored): stored is True when this call wrote a receipt.
@@ -397,7 +418,7 @@ def _decide(connection, op, command_digest, command, crash):
     # overflow into a REAL instead of failing.
     update = "UPDATE resources SET quantity = ?, revision = ? WHERE name = ?"
     connection.execute(update, (src_quantity - amount, src_revision + 1, src))
-    if crash == "after_source_update":
+    if fault == "after_source_update":
         os._exit(EXIT_CODES["after_source_update"])
     connection.execute(update, (dst_quantity + amount, dst_revision + 1, dst))
     connection.execute("INSERT INTO effects (op, src, dst, amount) VALUES (?, ?, ?, ?)",
@@ -407,12 +428,12 @@ def _decide(connection, op, command_digest, command, crash):
         "revisions": {src: src_revision + 1, dst: dst_revision + 1},
         "quantities": {src: src_quantity - amount, dst: dst_quantity + amount},
     })
-    if crash == "before_commit":
+    if fault == "before_commit":
         os._exit(EXIT_CODES["before_commit"])
     return result, True
 
 
-def execute(connection, op, command, *, crash=None):
+def execute(connection, op, command, *, fault=None):
     """Run a version-checked transfer plan once; see the module docstring.
 
     Returns {"status": "applied", "revisions": {...}, "quantities": {...}},
@@ -422,29 +443,23 @@ def execute(connection, op, command, *, crash=None):
     {"status": "replayed", "result": <stored result>} or {"status": "conflict"}.
     "replayed" is history, not the present: read snapshot() for current state.
     Raises TypeError/ValueError for malformed input and Busy on lock time-out;
-    neither is recorded. `crash` exits the process at a named boundary (tests);
+    neither is recorded. `fault` exits the process at a named boundary (tests);
     "after_commit" fires only when this call committed a new outcome.
     """
     validate(op, command)
-    _check_crash(crash)
+    _check_fault(fault)
     command_digest = digest(command)
     # Receipts are never updated or deleted once committed, so a receipt seen
     # by this autocommit read (no lock) is exactly what a read under the write
     # lock would see; fetchall() ends the read before BEGIN IMMEDIATE. A miss
     # proves nothing and is re-checked under the lock in _decide.
-    try:
-        rows = connection.execute(
-            "SELECT digest, result FROM receipts WHERE op = ?", (op,)).fetchall()
-    except sqlite3.OperationalError as error:
-        if not _is_busy(error):
-            raise
-        rows = ()
+    rows = connection.execute("SELECT digest, result FROM receipts WHERE op = ?", (op,)).fetchall()
     if rows:
         return _answer(rows[0][0], rows[0][1], command_digest)
     with transaction(connection):
-        result, stored = _decide(connection, op, command_digest, command, crash)
+        result, stored = _decide(connection, op, command_digest, command, fault)
     # After COMMIT of whatever outcome this call stored, rejections included.
-    if crash == "after_commit" and stored:
+    if fault == "after_commit" and stored:
         os._exit(EXIT_CODES["after_commit"])
     return result
 
@@ -559,10 +574,17 @@ def _parse_command(text):
 
 
 def main(argv=None):
-    """python3 preconditions.py {init,execute,unsafe-check-then-act,change,snapshot} ...
+    """Command line used by the experiment driver's child processes.
 
-    Prints one line of compact sorted-key JSON; exit 0 ok, 1 refused/failed
-    (one line on stderr), 2 bad usage.
+      init DB NAME=QTY [NAME=QTY ...]                         -> snapshot
+      execute DB OP COMMAND_JSON [--fault BOUNDARY] [--wait]  -> result
+      unsafe-check-then-act DB OP COMMAND_JSON                -> READY, GO?, result
+      change DB NAME DELTA                                    -> change result
+      snapshot DB                                             -> snapshot
+
+    Each prints one line of compact sorted-key JSON (after a READY line where
+    the child waits for GO on stdin). Exit 0 done, 1 refused or failed (one
+    line on stderr), 2 bad usage; --fault exits with EXIT_CODES[BOUNDARY].
     """
     import argparse
     parser = argparse.ArgumentParser(prog="preconditions.py",
@@ -575,10 +597,11 @@ def main(argv=None):
     p.add_argument("db")
     p.add_argument("op")
     p.add_argument("command", metavar="COMMAND_JSON")
-    p.add_argument("--crash", choices=BOUNDARIES)
+    p.add_argument("--fault", choices=BOUNDARIES)
     p.add_argument("--wait", action="store_true",
                    help="print READY and wait for GO on stdin before executing")
-    p = sub.add_parser("unsafe-check-then-act", help="UNSAFE baseline; READY/GO between check and write")
+    p = sub.add_parser("unsafe-check-then-act",
+                       help="UNSAFE baseline: READY/GO between the check and the write")
     p.add_argument("db")
     p.add_argument("op")
     p.add_argument("command", metavar="COMMAND_JSON")
@@ -614,7 +637,7 @@ def main(argv=None):
             if args.subcommand == "execute":
                 if args.wait:
                     _wait_for_go()
-                _emit(execute(connection, args.op, command, crash=args.crash))
+                _emit(execute(connection, args.op, command, fault=args.fault))
             elif args.subcommand == "unsafe-check-then-act":
                 _emit(unsafe_check_then_act(connection, args.op, command, pause=_wait_for_go))
             elif args.subcommand == "change":

@@ -652,7 +652,7 @@ def crash_points(run):
     for boundary in preconditions.BOUNDARIES:
         run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
         transfer_start(run)
-        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--crash", boundary)
+        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", boundary)
         run.log("executor", f"child ran to {boundary} and exited {code}")
         crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
         retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
@@ -670,7 +670,7 @@ def crash_points(run):
 def stale_rejection_durable(run):
     transfer_start(run)
     change(run, "B", 2)
-    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--crash", "after_commit")
+    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", "after_commit")
     run.log("executor", f"child stored its stale rejection and exited {code}")
     transfer_state(run, "after_crash", exit_code=code)
     retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))

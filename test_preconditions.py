@@ -18,6 +18,7 @@ import unittest
 from unittest import mock
 
 import preconditions as pre
+import run_experiment
 
 MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preconditions.py")
 WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
@@ -32,6 +33,15 @@ def plan(a=1, b=1, amount=3, src="A", dst="B"):
 def child(*args):
     """argv for a child exactly as the experiment driver starts it."""
     return [sys.executable, "-I", "-S", MODULE, *args]
+
+
+def snapshot_of(path):
+    """Snapshot from a fresh connection: what a recovering reader sees."""
+    connection = pre.connect(path)
+    try:
+        return pre.snapshot(connection)
+    finally:
+        connection.close()
 
 
 TEMPLATE = {}  # the A = 10, B = 0 database made once by init(), copied per test
@@ -70,12 +80,7 @@ class Case(unittest.TestCase):
         return connection
 
     def state(self, path=None):
-        """Snapshot from a fresh connection: what a recovering reader sees."""
-        connection = pre.connect(path or self.db)
-        try:
-            return pre.snapshot(connection)
-        finally:
-            connection.close()
+        return snapshot_of(path or self.db)
 
     def assert_state(self, resources, effects, receipts, path=None):
         self.assertEqual(self.state(path),
@@ -86,13 +91,6 @@ class Case(unittest.TestCase):
         connection = sqlite3.connect(path or self.db, isolation_level=None)
         try:
             connection.execute(statement, parameters)
-        finally:
-            connection.close()
-
-    def quick_check(self, path=None):
-        connection = pre.connect(path or self.db)
-        try:
-            return connection.execute("PRAGMA quick_check").fetchall()
         finally:
             connection.close()
 
@@ -151,7 +149,7 @@ class Validation(Case):
 
     def test_unknown_crash_boundary_is_refused_before_any_transaction(self):
         with self.assertRaises(ValueError):
-            pre.execute(self.c, "op-1", plan(), crash="after_everything")
+            pre.execute(self.c, "op-1", plan(), fault="after_everything")
         self.assert_state(START, 0, 0)
 
     def test_values_exactly_at_the_stated_bounds_are_accepted(self):
@@ -269,30 +267,40 @@ class Protocol(Case):
 
     def test_lock_timeout_raises_busy_and_records_nothing(self):
         holder = self.open()
-        holder.execute("BEGIN IMMEDIATE")
-        with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
-            started = time.monotonic()
-            with self.assertRaises(pre.Busy) as caught:
-                pre.execute(self.c, "job-1", plan())
-            self.assertLess(time.monotonic() - started, 0.5)  # bounded by the deadline
-            with self.assertRaises(sqlite3.OperationalError):  # Busy is one
-                pre.change(self.c, "B", 2)
+        with pre.transaction(holder):  # another writer holds the queue and the lock
+            with mock.patch.object(pre, "BUSY_DEADLINE", 0.05):
+                started = time.monotonic()
+                with self.assertRaises(pre.Busy) as caught:
+                    pre.execute(self.c, "job-1", plan())
+                waited = time.monotonic() - started
+                with self.assertRaises(sqlite3.OperationalError):  # Busy is one
+                    pre.change(self.c, "B", 2)
+        self.assertGreaterEqual(waited, 0.05)  # it waited for the deadline...
+        self.assertLess(waited, 0.5)  # ...and no longer
         self.assertIn("busy", str(caught.exception))
-        holder.execute("ROLLBACK")
         self.assert_state(START, 0, 0)
         self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "applied")
+
+    def test_writer_outside_the_queue_past_the_busy_timeout_raises_busy(self):
+        foreign = sqlite3.connect(self.db, isolation_level=None)
+        self.addCleanup(foreign.close)
+        foreign.execute("BEGIN IMMEDIATE")
+        self.c.execute("PRAGMA busy_timeout = 50")
+        with self.assertRaises(pre.Busy):
+            pre.execute(self.c, "job-1", plan())
+        foreign.execute("ROLLBACK")
+        self.assertFalse(self.c.in_transaction)
+        self.assert_state(START, 0, 0)
 
     def test_replay_and_conflict_are_answered_while_another_writer_holds_the_lock(self):
         first = pre.execute(self.c, "job-1", plan())
         holder = self.open()
-        holder.execute("BEGIN IMMEDIATE")
-        with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
+        with pre.transaction(holder), mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
             self.assertEqual(pre.execute(self.c, "job-1", plan()),
                              {"status": "replayed", "result": first})
             self.assertEqual(pre.execute(self.c, "job-1", plan(a=2, b=2)), {"status": "conflict"})
             with self.assertRaises(pre.Busy):  # a new op does need the lock
                 pre.execute(self.c, "job-2", plan(a=2, b=2))
-        holder.execute("ROLLBACK")
         self.assertFalse(self.c.in_transaction)
 
     def test_change_always_bumps_the_revision(self):
@@ -404,189 +412,145 @@ class Concurrency(Case):
 
     def test_processes_contending_for_the_lock_all_finish_without_busy_errors(self):
         code = ("import sys; sys.path.insert(0, sys.argv[1]); import preconditions as p\n"
-                "c = p.connect(sys.argv[2])\n"
+                "c = p.connect(sys.argv[2]); print('READY', flush=True); sys.stdin.readline()\n"
                 "for _ in range(int(sys.argv[3])): p.change(c, 'B', 1)\n"
                 "c.close()")
-        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "10"]
-        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for _ in range(3)]
+        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "20"]
+        procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
         outcomes = []
-        for proc in procs:
-            with proc:
-                outcomes.append((proc.communicate(timeout=WATCHDOG)[1], proc.returncode))
-        self.assertEqual(outcomes, [(b"", 0)] * 3)
-        self.assertEqual(self.state()["resources"]["B"], {"quantity": 30, "revision": 31})
-
-
-def snapshot_of(path):
-    connection = pre.connect(path)
-    try:
-        return pre.snapshot(connection)
-    finally:
-        connection.close()
-
-
-def run_batch(argvs, handshakes=()):
-    """Start every child at once; return {name: (exit code, stdout, stderr)}.
-
-    For each name in `handshakes` (a dict name -> callable) the child must
-    print READY first; the callable then changes the state and GO is sent.
-    A watchdog kills whatever is still running after WATCHDOG seconds.
-    """
-    with contextlib.ExitStack() as stack:
-        procs = {}
-        for name, argv in argvs.items():
-            proc = stack.enter_context(subprocess.Popen(
-                child(*argv), stdin=subprocess.PIPE if name in handshakes else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-            stack.callback(lambda p=proc: p.poll() is None and p.kill())  # before Popen.__exit__
-            procs[name] = proc
-        watchdog = threading.Timer(WATCHDOG, lambda: [p.poll() is None and p.kill()
-                                                      for p in procs.values()])
+        watchdog = threading.Timer(WATCHDOG, lambda: [proc.kill() for proc in procs])
         watchdog.start()
-        stack.callback(watchdog.cancel)
-        ready, outcomes = {}, {}
-        for name, between in dict(handshakes).items():
-            ready[name] = procs[name].stdout.readline()
-            if ready[name] == "READY\n":
-                between()
-            out, err = procs[name].communicate("GO\n", timeout=WATCHDOG)
-            outcomes[name] = (procs[name].returncode, ready[name] + out, err)
-        for name, proc in procs.items():
-            if name not in outcomes:
-                out, err = proc.communicate(timeout=WATCHDOG)
-                outcomes[name] = (proc.returncode, out, err)
-        return outcomes
-
-
-class ChildProcesses(unittest.TestCase):
-    """Real child processes, started exactly as the experiment driver starts them.
-
-    setUpClass runs every scenario's first child at once, then every retry at
-    once: each scenario has its own database, so running them side by side
-    changes no outcome. The tests assert on what was recorded.
-    """
-    CRASHES = {  # scenario: (boundary, change B by +2 first)
-        "after_source_update": ("after_source_update", False),
-        "before_commit": ("before_commit", False),
-        "after_commit": ("after_commit", False),
-        "stale_after_commit": ("after_commit", True),
-    }
-
-    @classmethod
-    def setUpClass(cls):
-        tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(tmp.cleanup)
-        names = [*cls.CRASHES, "unsafe", "safe", "cli"]
-        cls.dbs = {name: os.path.join(tmp.name, f"{name}.db") for name in names}
-        for name in names:
-            shutil.copyfile(TEMPLATE["path"], cls.dbs[name])
-        for name, (_, move_b) in cls.CRASHES.items():
-            if move_b:
-                cls.change_b(cls.dbs[name])
-        command = json.dumps(plan())
-        cls.cli_db = os.path.join(tmp.name, "cli-init.db")
-        first = {name: ("execute", cls.dbs[name], "job-1", command, "--crash", boundary)
-                 for name, (boundary, _) in cls.CRASHES.items()}
-        first.update({
-            "unsafe": ("unsafe-check-then-act", cls.dbs["unsafe"], "job-1", command),
-            "safe": ("execute", cls.dbs["safe"], "job-1", command, "--wait"),
-            "cli_init": ("init", cls.cli_db, "A=10", "B=0"),
-            "cli_usage": ("execute", cls.dbs["cli"]),
-            "cli_duplicate": ("execute", cls.dbs["cli"], "job-1", '{"src": "A", "src": "B"}'),
-            "cli_bad_plan": ("execute", cls.dbs["cli"], "job-1", json.dumps(plan(amount=True))),
-        })
-        cls.first = run_batch(first, handshakes={
-            "unsafe": lambda: cls.change_b(cls.dbs["unsafe"]),
-            "safe": lambda: cls.change_b(cls.dbs["safe"])})
-        cls.after_first = {name: snapshot_of(path) for name, path in cls.dbs.items()}
-        cls.retried = run_batch({name: ("execute", cls.dbs[name], "job-1", command)
-                                 for name in cls.CRASHES})
-        cls.after_retry = {name: snapshot_of(cls.dbs[name]) for name in cls.CRASHES}
-
-    @staticmethod
-    def change_b(path):
-        connection = pre.connect(path)
         try:
-            pre.change(connection, "B", 2)
+            ready = [proc.stdout.readline() for proc in procs]  # all three start together
+            for proc in procs:
+                proc.stdin.write("GO\n")
+                proc.stdin.flush()
+            for _ in range(20):  # this process is the third contender
+                pre.change(self.c, "B", 1)
         finally:
-            connection.close()
+            for proc in procs:
+                with proc:
+                    outcomes.append((proc.communicate(timeout=WATCHDOG), proc.returncode))
+            watchdog.cancel()
+        self.assertEqual(ready, ["READY\n"] * 2)
+        self.assertEqual(outcomes, [(("", ""), 0)] * 2)
+        self.assertEqual(self.state()["resources"]["B"], {"quantity": 60, "revision": 61})
 
-    def assert_retry(self, name, result):
-        code, out, err = self.retried[name]
-        self.assertEqual((code, err), (0, ""))
-        self.assertEqual(json.loads(out), result)
 
-    def test_crash_after_source_update_leaves_nothing_and_a_retry_applies(self):
-        self.assertEqual(self.first["after_source_update"], (71, "", ""))
-        self.assertEqual(self.after_first["after_source_update"],
-                         {"resources": START, "effects": 0, "receipts": 0})
-        self.assert_retry("after_source_update", APPLIED)
+# --- experiment scenarios ------------------------------------------------------------
+# The article's 11 scenario groups run once per test process through the driver, with
+# real children that die by os._exit, and the tests below read what that run observed.
 
-    def test_crash_before_commit_leaves_nothing_and_a_retry_applies(self):
-        self.assertEqual(self.first["before_commit"], (72, "", ""))
-        self.assertEqual(self.after_first["before_commit"],
-                         {"resources": START, "effects": 0, "receipts": 0})
-        self.assert_retry("before_commit", APPLIED)
+ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_7"]
+_RUNS = {}
 
-    def test_crash_after_commit_keeps_everything_and_a_retry_is_replayed(self):
-        self.assertEqual(self.first["after_commit"], (73, "", ""))
-        kept = {"resources": {"A": {"quantity": 7, "revision": 2},
-                              "B": {"quantity": 3, "revision": 2}}, "effects": 1, "receipts": 1}
-        self.assertEqual(self.after_first["after_commit"], kept)
-        self.assert_retry("after_commit", {"status": "replayed", "result": APPLIED})
-        self.assertEqual(self.after_retry["after_commit"], kept)
 
-    def test_committed_stale_rejection_survives_the_exit_and_is_replayed(self):
-        self.assertEqual(self.first["stale_after_commit"], (73, "", ""))
-        kept = {"resources": {"A": {"quantity": 10, "revision": 1},
-                              "B": {"quantity": 2, "revision": 2}}, "effects": 0, "receipts": 1}
-        self.assertEqual(self.after_first["stale_after_commit"], kept)
-        self.assert_retry("stale_after_commit", {
-            "status": "replayed", "result": {"status": "stale", "observed": {"A": 1, "B": 2}}})
-        self.assertEqual(self.after_retry["stale_after_commit"], kept)
+def scenario(name):
+    if not _RUNS:
+        _RUNS.update((run.name, run) for run in run_experiment.run_all(ARTICLE_7))
+    return _RUNS[name].stages
 
-    def test_every_database_passes_quick_check_after_the_crashes(self):
-        self.assertEqual(sorted(self.first[name][0] for name in self.CRASHES), [71, 72, 73, 73])
-        for name in self.CRASHES:
-            connection = pre.connect(self.dbs[name])
-            try:
-                with self.subTest(name=name):
-                    self.assertEqual(connection.execute("PRAGMA quick_check").fetchall(),
-                                     [("ok",)])
-            finally:
-                connection.close()
+
+class Scenarios(unittest.TestCase):
+    def test_the_driver_names_exactly_the_articles_11_scenario_groups(self):
+        self.assertEqual(ARTICLE_7, [
+            "unsafe_check_then_act", "safe_stale_rejected", "lost_ack_replay", "replan_new_id",
+            "aba_revision", "crash_points", "stale_rejection_durable", "trigger_faults",
+            "concurrent_distinct_ops", "concurrent_same_op", "undeclared_dependency"])
+
+    def test_every_scenario_holds_its_invariants_and_passes_quick_check(self):
+        scenario(ARTICLE_7[0])
+        for name in ARTICLE_7:
+            with self.subTest(name):
+                self.assertEqual(_RUNS[name].failures, [])
+                self.assertTrue(_RUNS[name].integrity)
+                self.assertEqual(set(_RUNS[name].integrity.values()), {"ok"})
+
+    def test_rerun_reproduces_the_committed_results_json(self):
+        scenario(ARTICLE_7[0])
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            committed = json.load(handle)["article_7"]
+        self.assertEqual(run_experiment.results_of(_RUNS.values())["article_7"], committed)
 
     def test_unsafe_check_then_act_builds_on_a_state_changed_after_its_check(self):
-        code, out, err = self.first["unsafe"]
-        ready, result = out.split("\n", 1)
-        self.assertEqual((code, ready, err), (0, "READY", ""))
-        self.assertEqual(json.loads(result)["status"], "applied")
-        self.assertEqual(self.after_first["unsafe"], {
-            "resources": {"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 5, "revision": 3}},
-            "effects": 1, "receipts": 1})
+        final = scenario("unsafe_check_then_act")["after_go"]
+        self.assertEqual((final["status"], final["exit_code"]), ("applied", 0))
+        self.assertEqual((final["quantities"], final["revisions"], final["effects"]),
+                         ({"A": 7, "B": 5}, {"A": 2, "B": 3}, 1))
 
     def test_safe_entry_after_the_same_interleaving_is_stale(self):
-        code, out, err = self.first["safe"]
-        self.assertEqual((code, err), (0, ""))
-        self.assertEqual(out, 'READY\n{"observed":{"A":1,"B":2},"status":"stale"}\n')
-        self.assertEqual(self.after_first["safe"], {
-            "resources": {"A": {"quantity": 10, "revision": 1},
-                          "B": {"quantity": 2, "revision": 2}},
-            "effects": 0, "receipts": 1})
+        final = scenario("safe_stale_rejected")["after_go"]
+        self.assertEqual((final["status"], final["observed"]), ("stale", {"A": 1, "B": 2}))
+        self.assertEqual((final["quantities"], final["effects"], final["receipts"]), ({"A": 10, "B": 2}, 0, 1))
+
+    def test_crash_after_source_update_leaves_nothing_and_a_retry_applies(self):
+        stages = scenario("crash_points")
+        crashed, retried = stages["after_source_update.after_crash"], stages["after_source_update.after_retry"]
+        self.assertEqual(crashed["exit_code"], 71)
+        self.assertEqual((crashed["quantities"], crashed["effects"], crashed["receipts"]), ({"A": 10, "B": 0}, 0, 0))
+        self.assertEqual((retried["status"], retried["quantities"]), ("applied", {"A": 7, "B": 3}))
+
+    def test_crash_before_commit_leaves_nothing_and_a_retry_applies(self):
+        stages = scenario("crash_points")
+        crashed, retried = stages["before_commit.after_crash"], stages["before_commit.after_retry"]
+        self.assertEqual(crashed["exit_code"], 72)
+        self.assertEqual((crashed["quantities"], crashed["effects"], crashed["receipts"]), ({"A": 10, "B": 0}, 0, 0))
+        self.assertEqual((retried["status"], retried["effects"]), ("applied", 1))
+
+    def test_crash_after_commit_keeps_everything_and_a_retry_is_replayed(self):
+        stages = scenario("crash_points")
+        crashed, retried = stages["after_commit.after_crash"], stages["after_commit.after_retry"]
+        self.assertEqual(crashed["exit_code"], 73)
+        self.assertEqual((crashed["quantities"], crashed["revisions"], crashed["effects"], crashed["receipts"]),
+                         ({"A": 7, "B": 3}, {"A": 2, "B": 2}, 1, 1))
+        self.assertEqual((retried["status"], retried["effects"]), ("replayed", 1))
+
+    def test_committed_stale_rejection_survives_the_exit_and_is_replayed(self):
+        stages = scenario("stale_rejection_durable")
+        self.assertEqual((stages["after_crash"]["exit_code"], stages["after_crash"]["receipts"]), (73, 1))
+        final = stages["after_retry"]
+        self.assertEqual((final["status"], final["stored_status"], final["effects"]), ("replayed", "stale", 0))
+
+    def test_lost_ack_replay_and_replan_under_a_new_id(self):
+        lost = scenario("lost_ack_replay")
+        self.assertEqual((lost["after_first"]["status"], lost["after_retry"]["status"]), ("applied", "replayed"))
+        self.assertEqual(lost["after_retry"]["effects"], 1)
+        replan = scenario("replan_new_id")
+        self.assertEqual([replan[stage]["status"] for stage in ("after_stale", "after_same_id", "after_new_id")],
+                         ["stale", "conflict", "applied"])
+
+    def test_aba_and_undeclared_dependency_scenarios(self):
+        aba = scenario("aba_revision")["after_execute"]
+        self.assertEqual((aba["status"], aba["quantities"]["A"], aba["revisions"]["A"]), ("stale", 10, 3))
+        undeclared = scenario("undeclared_dependency")["after_execute"]
+        self.assertEqual((undeclared["status"], undeclared["quantities"]["C"]), ("applied", 4))
+
+    def test_trigger_faults_and_races_in_the_experiment(self):
+        stages = scenario("trigger_faults")
+        for stage in ("destination_update_fault", "receipt_insert_fault"):
+            self.assertEqual((stages[stage]["error"], stages[stage]["effects"], stages[stage]["receipts"]),
+                             ("IntegrityError", 0, 0))
+        self.assertEqual(scenario("concurrent_distinct_ops")["after_race"]["statuses"], {"applied": 1, "stale": 15})
+        self.assertEqual(scenario("concurrent_same_op")["after_race"]["statuses"], {"applied": 1, "replayed": 15})
+
+
+class CommandLine(unittest.TestCase):
+    """The script itself, started as the experiment's --exec mode starts it: isolated, no site."""
 
     def test_cli_prints_one_json_line_and_maps_errors_to_exit_codes(self):
-        self.assertEqual(self.first["cli_init"], (0, json.dumps(
-            snapshot_of(self.cli_db), sort_keys=True, separators=(",", ":")) + "\n", ""))
-        self.assertEqual(self.first["cli_usage"][:2], (2, ""))
-        for name in ("cli_duplicate", "cli_bad_plan"):
-            code, out, err = self.first[name]
-            with self.subTest(name=name):
-                self.assertEqual((code, out), (1, ""))
-                self.assertEqual(len(err.splitlines()), 1)
-                self.assertNotIn("Traceback", err)
-        self.assertIn("TypeError", self.first["cli_bad_plan"][2])
-        self.assertEqual(self.after_first["cli"], {"resources": START, "effects": 0, "receipts": 0})
+        with tempfile.TemporaryDirectory() as folder:
+            db = os.path.join(folder, "cli.db")
+            run = lambda *args: subprocess.run(child(*args), capture_output=True, text=True, timeout=WATCHDOG)
+            made = run("init", db, "A=10", "B=0")
+            self.assertEqual((made.returncode, made.stderr), (0, ""))
+            self.assertEqual(made.stdout, json.dumps(snapshot_of(db), sort_keys=True, separators=(",", ":")) + "\n")
+            self.assertEqual(run("execute", db).returncode, 2)
+            bad = run("execute", db, "job-1", json.dumps(plan(amount=True)))
+            self.assertEqual((bad.returncode, bad.stdout), (1, ""))
+            self.assertEqual(len(bad.stderr.splitlines()), 1)
+            self.assertIn("TypeError: amount must be an int", bad.stderr)
+            self.assertEqual(snapshot_of(db), {"resources": START, "effects": 0, "receipts": 0})
 
 
 class Files(Case):
@@ -624,6 +588,14 @@ class Files(Case):
         with open(other) as handle:
             self.assertEqual(handle.read(), "keep me")
 
+    def test_init_refuses_a_journal_left_by_an_earlier_database_of_that_name(self):
+        path = os.path.join(self.dir, "reused.db")
+        with open(path + "-wal", "wb") as handle:
+            handle.write(b"frames of some other database")
+        with self.assertRaises(FileExistsError):
+            pre.init(path, {"A": 1})
+        self.assertFalse(os.path.exists(path))
+
     def test_init_validates_resources_and_creates_nothing_when_refused(self):
         path = os.path.join(self.dir, "new.db")
         for resources, error in (({"A": True}, TypeError), ({"A": -1}, ValueError),
@@ -640,19 +612,20 @@ class Files(Case):
         path = os.path.join(folder, "odd ?name#%41.db")
         pre.init(path, {"A": 1, "B": 2})
         self.assertEqual(self.state(path)["resources"]["B"], {"quantity": 2, "revision": 1})
-        self.assertEqual(os.listdir(folder), ["odd ?name#%41.db"])
+        # The database and its writer queue, both under the exact name given.
+        self.assertEqual(sorted(os.listdir(folder)), ["odd ?name#%41.db", "odd ?name#%41.db-queue"])
         with self.assertRaises(FileNotFoundError):
             pre.connect(os.path.join(folder, "odd ?other.db"))
-        self.assertEqual(os.listdir(folder), ["odd ?name#%41.db"])
+        self.assertEqual(sorted(os.listdir(folder)), ["odd ?name#%41.db", "odd ?name#%41.db-queue"])
 
-    def test_every_connection_reports_wal_full_foreign_keys_and_a_tiny_busy_timeout(self):
+    def test_every_connection_reports_wal_full_foreign_keys_and_the_busy_deadline(self):
         for connection in (self.c, self.open()):
             self.assertIsNone(connection.isolation_level)
             self.assertEqual(connection.execute("PRAGMA journal_mode").fetchone()[0], "wal")
             self.assertEqual(connection.execute("PRAGMA synchronous").fetchone()[0], 2)
             self.assertEqual(connection.execute("PRAGMA foreign_keys").fetchone()[0], 1)
             self.assertEqual(connection.execute("PRAGMA busy_timeout").fetchone()[0],
-                             pre.BUSY_TIMEOUT_MS)
+                             pre.BUSY_DEADLINE * 1000)
 
     def test_snapshot_is_sorted_and_counts_effects_and_receipts(self):
         db = self.make_db("many.db", {"b": 1, "C": 2, "a": 3})
