@@ -54,6 +54,7 @@ def scenario(article, description):
 # child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
 USE_FORK = hasattr(os, "fork")
+JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
 _PARENT_ENDS = set()  # pipe ends this process holds for its live forked children
 
 
@@ -248,14 +249,64 @@ def check_integrity(run):
             run.expect(f"integrity of {name}", run.integrity[name], "ok")
 
 
-def run_all(names):
-    """Run scenarios one after another (forking needs a single-threaded parent)."""
+def run_all(names, jobs=JOBS):
+    """Run scenarios and return their Runs in the order of ``names``.
+
+    With fork, ``jobs`` single-threaded worker processes share the scenarios (each
+    scenario owns its directory and children, so sharing changes no result);
+    otherwise they run one after another in this process.
+    """
     base = tempfile.mkdtemp(prefix="reliability-experiment-")
     try:
         reliability.init(os.path.join(base, "template"))
-        return [run_scenario(name, base) for name in names]
+        if not USE_FORK or jobs < 2 or len(names) < 2:
+            return [run_scenario(name, base) for name in names]
+        workers = [_fork_worker(names[index::jobs], base) for index in range(min(jobs, len(names)))]
+        finished = {}
+        for pid, reader in workers:
+            with os.fdopen(reader, encoding="utf-8") as pipe:
+                finished.update(json.load(pipe))
+            os.waitpid(pid, 0)
+        return [_revive(name, finished[name]) for name in names]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+_SHARED = {}
+
+
+def shared_runs():
+    """Every scenario, run once per process: the two test modules read the same run."""
+    if not _SHARED:
+        _SHARED.update((run.name, run) for run in run_all(list(SCENARIOS)))
+    return _SHARED
+
+
+def _fork_worker(names, base):
+    reader, writer = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the worker: runs its share, reports, and never returns into the caller
+        code = 1
+        try:
+            os.close(reader)
+            random.seed()
+            runs = [run_scenario(name, base) for name in names]
+            with os.fdopen(writer, "w", encoding="utf-8") as pipe:
+                json.dump({run.name: vars(run) for run in runs}, pipe)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    return pid, reader
+
+
+def _revive(name, state):
+    run = Run(name, state["dir"])
+    run.__dict__.update(state)
+    run.events = [tuple(event) for event in run.events]
+    return run
 
 
 # --- article 1: reliability.py --------------------------------------------------------

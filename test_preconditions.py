@@ -4,6 +4,7 @@ Run: python3 -m unittest test_preconditions   (also under -X dev -W error)
 """
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -443,13 +444,11 @@ class Concurrency(Case):
 # real children that die by os._exit, and the tests below read what that run observed.
 
 ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_7"]
-_RUNS = {}
+_RUNS = run_experiment.shared_runs  # one run of every scenario per test process
 
 
 def scenario(name):
-    if not _RUNS:
-        _RUNS.update((run.name, run) for run in run_experiment.run_all(ARTICLE_7))
-    return _RUNS[name].stages
+    return _RUNS()[name].stages
 
 
 class Scenarios(unittest.TestCase):
@@ -460,18 +459,16 @@ class Scenarios(unittest.TestCase):
             "concurrent_distinct_ops", "concurrent_same_op", "undeclared_dependency"])
 
     def test_every_scenario_holds_its_invariants_and_passes_quick_check(self):
-        scenario(ARTICLE_7[0])
         for name in ARTICLE_7:
             with self.subTest(name):
-                self.assertEqual(_RUNS[name].failures, [])
-                self.assertTrue(_RUNS[name].integrity)
-                self.assertEqual(set(_RUNS[name].integrity.values()), {"ok"})
+                self.assertEqual(_RUNS()[name].failures, [])
+                self.assertTrue(_RUNS()[name].integrity)
+                self.assertEqual(set(_RUNS()[name].integrity.values()), {"ok"})
 
     def test_rerun_reproduces_the_committed_results_json(self):
-        scenario(ARTICLE_7[0])
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
             committed = json.load(handle)["article_7"]
-        self.assertEqual(run_experiment.results_of(_RUNS.values())["article_7"], committed)
+        self.assertEqual(run_experiment.results_of(_RUNS().values())["article_7"], committed)
 
     def test_unsafe_check_then_act_builds_on_a_state_changed_after_its_check(self):
         final = scenario("unsafe_check_then_act")["after_go"]
@@ -541,16 +538,26 @@ class CommandLine(unittest.TestCase):
     def test_cli_prints_one_json_line_and_maps_errors_to_exit_codes(self):
         with tempfile.TemporaryDirectory() as folder:
             db = os.path.join(folder, "cli.db")
-            run = lambda *args: subprocess.run(child(*args), capture_output=True, text=True, timeout=WATCHDOG)
-            made = run("init", db, "A=10", "B=0")
+            made = subprocess.run(child("init", db, "A=10", "B=0"), capture_output=True, text=True, timeout=WATCHDOG)
             self.assertEqual((made.returncode, made.stderr), (0, ""))
             self.assertEqual(made.stdout, json.dumps(snapshot_of(db), sort_keys=True, separators=(",", ":")) + "\n")
-            self.assertEqual(run("execute", db).returncode, 2)
-            bad = run("execute", db, "job-1", json.dumps(plan(amount=True)))
-            self.assertEqual((bad.returncode, bad.stdout), (1, ""))
-            self.assertEqual(len(bad.stderr.splitlines()), 1)
-            self.assertIn("TypeError: amount must be an int", bad.stderr)
+            self.assertEqual(self.main("execute", db), (2, "", None))
+            code, out, err = self.main("execute", db, "job-1", json.dumps(plan(amount=True)))
+            self.assertEqual((code, out), (1, ""))
+            self.assertEqual(len(err.splitlines()), 1)
+            self.assertIn("TypeError: amount must be an int", err)
             self.assertEqual(snapshot_of(db), {"resources": START, "effects": 0, "receipts": 0})
+
+    @staticmethod
+    def main(*argv):
+        """main() in this process: (exit code, stdout, stderr or None for argparse's usage text)."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = pre.main(list(argv))
+            except SystemExit as usage:
+                return usage.code, out.getvalue(), None
+        return code, out.getvalue(), err.getvalue()
 
 
 class Files(Case):
