@@ -57,9 +57,10 @@ MAX_IDENTITY_LENGTH = 200    # caller and operation key, in characters
 MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
 CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
 BUSY_DEADLINE = 10.0         # seconds transaction() keeps retrying a busy database
-BUSY_PAUSE = 0.004           # seconds, upper bound of one random pause between tries...
-BUSY_PATIENCE = 0.02         # ...until a writer has waited this long,
-BUSY_PAUSE_URGENT = 0.0002   # ...then this one
+BUSY_PAUSE_FIRST = 0.0005    # seconds: a queued writer pauses at random up to this,
+BUSY_PAUSE = 0.02            # ...doubling to this,
+BUSY_PATIENCE = 0.04         # ...until it has waited this long,
+BUSY_PAUSE_URGENT = 0.0002   # ...then up to this
 
 SENDER, RECEIVER, EXTERNAL = "sender.db", "receiver.db", "external.db"
 # PRAGMA user_version tells our three kinds of file apart from any other SQLite file.
@@ -195,7 +196,7 @@ def transaction(connection, *, deadline=BUSY_DEADLINE):
 def _wait_in_queue(queue, deadline):
     # Waiting here, not inside SQLite, keeps waiters from pinning WAL snapshots (the WAL
     # stays small) and lets the current writer run several transactions on a warm cache.
-    started = time.monotonic()
+    started, pause = time.monotonic(), BUSY_PAUSE_FIRST
     while True:
         try:
             fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -204,9 +205,11 @@ def _wait_in_queue(queue, deadline):
             waited = time.monotonic() - started
             if waited >= deadline:
                 raise Busy(f"database still locked after {deadline} s; nothing was written") from None
-        # Random pauses, not SQLite's growing back-off (up to 100 ms a sleep): a writer
-        # that has been patient this long polls often, so it is not starved.
-        time.sleep(random.random() * (BUSY_PAUSE if waited < BUSY_PATIENCE else BUSY_PAUSE_URGENT))
+        # Random pauses that double up to BUSY_PAUSE, then, once a writer has been patient
+        # this long, short ones: SQLite's own back-off only grows (to 100 ms a sleep) and
+        # starves an unlucky writer; this one lets it in within a few milliseconds.
+        time.sleep(random.random() * (pause if waited < BUSY_PATIENCE else BUSY_PAUSE_URGENT))
+        pause = min(2 * pause, BUSY_PAUSE)
 
 
 # --- canonical form and digest ----------------------------------------------------
