@@ -85,6 +85,14 @@ SCHEMA = (
         dst TEXT NOT NULL,
         amount INTEGER NOT NULL
     ) WITHOUT ROWID""",
+    # One row per change(): with the effects, the full history of every revision,
+    # so "revision = 1 + writes that touched it" can be checked from this file alone.
+    """CREATE TABLE changes (
+        id INTEGER PRIMARY KEY,
+        name TEXT NOT NULL,
+        delta INTEGER NOT NULL,
+        revision INTEGER NOT NULL
+    )""",
 )
 
 
@@ -468,7 +476,7 @@ def execute(connection, op, command, *, fault=None):
 
 
 def change(connection, name, delta):
-    """The other business write: quantity + delta and revision + 1, atomically.
+    """The other business write: quantity + delta and revision + 1, with an audit row, atomically.
 
     Returns {"status": "changed", "name", "quantity", "revision"}. Refusals
     raise ValueError and change nothing: missing resource, negative result,
@@ -488,6 +496,8 @@ def change(connection, name, delta):
             raise ValueError(f"{name!r} would pass the signed 64-bit maximum")
         connection.execute("UPDATE resources SET quantity = ?, revision = ? WHERE name = ?",
                            (quantity, revision, name))
+        connection.execute("INSERT INTO changes (name, delta, revision) VALUES (?, ?, ?)",
+                           (name, delta, revision))
     return {"status": "changed", "name": name, "quantity": quantity, "revision": revision}
 
 
