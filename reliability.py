@@ -41,9 +41,12 @@ BOUNDARIES = (
     "before_external_effect",     # external tool child: about to write
     "after_external_effect",      # external tool child: written, nothing replied
 )
+# Who owns each boundary: enqueue, the receiver child, the external tool child; the
+# rest belong to the sender's dispatch.
 ENQUEUE_BOUNDARIES = BOUNDARIES[:2]
-CHILD_BOUNDARIES = ("before_receiver_commit", "after_receiver_commit", "after_response_write",
-                    "before_external_effect", "after_external_effect")
+RECEIVER_BOUNDARIES = BOUNDARIES[3:6]
+EXTERNAL_BOUNDARIES = BOUNDARIES[9:]
+CHILD_BOUNDARIES = RECEIVER_BOUNDARIES + EXTERNAL_BOUNDARIES
 CRASH_EXIT = 73
 
 # Delivery modes.  Only "idempotent" is safe; the others exist to show what breaks

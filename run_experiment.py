@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import preconditions
 import reliability
@@ -38,6 +39,9 @@ CALLER, KEY = "agent", "ticket-1"
 PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
 SCENARIOS = {}  # name -> (article, description, function), in article order
+HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was lost",
+            "article_7": "Article 7: no duplicate execution, yet still wrong",
+            "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it applies to"}
 
 
 def scenario(article, description):
@@ -219,13 +223,13 @@ class Run:
 
 def run_scenario(name, base):
     article, _, function = SCENARIOS[name]
-    directory = tempfile.mkdtemp(prefix=name + "-", dir=base)
+    directory = tempfile.mkdtemp(prefix=name.replace("/", "-") + "-", dir=base)
     run = Run(name, directory)
+    run.template = os.path.join(base, "template")
     try:
         if article == "article_1":
             # A copy of databases that reliability.init created (and closed) moments ago.
-            for database in reliability.KINDS:
-                shutil.copyfile(os.path.join(base, "template", database), os.path.join(run.root, database))
+            fresh_root(run, run.root)
         function(run)
         check_integrity(run)
     except Exception as error:  # an invariant of the harness itself broke: report, never hide
@@ -235,16 +239,25 @@ def run_scenario(name, base):
     return run
 
 
+def fresh_root(run, root):
+    """A copy of the three databases that reliability.init created (and closed) moments ago."""
+    os.makedirs(root, exist_ok=True)
+    for database in reliability.KINDS:
+        shutil.copyfile(os.path.join(run.template, database), os.path.join(root, database))
+    run.root = root
+
+
 def check_integrity(run):
     """After the scenario's crashes, every database it left must pass SQLite's own checks."""
-    for name in sorted(os.listdir(run.dir)):
-        if name.endswith(".db"):
-            connection = sqlite3.connect(os.path.join(run.dir, name))
+    for folder, _, files in sorted(os.walk(run.dir)):
+        for path in sorted(os.path.join(folder, name) for name in files if name.endswith(".db")):
+            connection = sqlite3.connect(path)
             try:
                 quick = connection.execute("PRAGMA quick_check").fetchall()
                 keys = connection.execute("PRAGMA foreign_key_check").fetchall()
             finally:
                 connection.close()
+            name = os.path.relpath(path, run.dir)
             run.integrity[name] = "ok" if quick == [("ok",)] and not keys else f"{quick} {keys}"
             run.expect(f"integrity of {name}", run.integrity[name], "ok")
 
@@ -296,6 +309,8 @@ def _fork_worker(names, base):
             with os.fdopen(writer, "w", encoding="utf-8") as pipe:
                 json.dump({run.name: vars(run) for run in runs}, pipe)
             code = 0
+        except BaseException:
+            traceback.print_exc()  # os._exit below would swallow it
         finally:
             os._exit(code)
     os.close(writer)
@@ -812,6 +827,92 @@ def undeclared_dependency(run):
     run.expect("applies", (result["status"], final["quantities"]), ("applied", {"A": 7, "B": 3, "C": 4}))
 
 
+# --- the crash matrix: every boundary of both modules, every mode it applies to -------
+
+def matrix_modes(boundary):
+    """Modes in which a reliability.py boundary is reached, from the module's own groups."""
+    if boundary == "after_mark_before_send":
+        return ("mark_before",)
+    if boundary in reliability.RECEIVER_BOUNDARIES:
+        return ("idempotent", "naive")
+    if boundary in reliability.EXTERNAL_BOUNDARIES:
+        return ("external",)
+    return ("idempotent", "naive", "external")  # enqueue and the sender's dispatch
+
+
+def delivery_cell(run, boundary, mode):
+    """Crash at ``boundary`` in a real process, recover from this one at tick 11, observe."""
+    fresh_root(run, os.path.join(run.dir, mode))
+    if boundary in reliability.ENQUEUE_BOUNDARIES:
+        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--mode", mode, fault=boundary)
+        enqueue(run, mode, lane="recovery")  # the upstream caller retries with the same key
+    else:
+        enqueue(run, mode)
+        if boundary in reliability.CHILD_BOUNDARIES:
+            codes = dispatch(run, 0, boundary)
+        else:
+            codes = sender_child(run, "dispatch", "--now", 0, fault=boundary)
+    dispatch(run, 11, lane="recovery")
+    seen = observe(run, f"{mode}", codes)
+    tickets = seen["external_tickets"] if mode == "external" else seen["receiver_tickets"]
+    cell = {"exit_code": codes[0], "sender_state": seen["sender_state"], "attempts": seen["attempts"],
+            "tickets": tickets}
+    run.stages[mode] = cell
+    run.expect(f"{mode}: the crash happened", cell["exit_code"], reliability.CRASH_EXIT)
+    if mode == "idempotent":
+        run.expect(f"{mode}: exactly once", (cell["sender_state"], tickets), ("done", 1))
+    elif mode == "naive":
+        run.expect(f"{mode}: delivered, perhaps twice", (cell["sender_state"], tickets in (1, 2)), ("done", True))
+    elif mode == "external":
+        run.expect(f"{mode}: never retried automatically", (cell["attempts"], tickets <= 1), (1, True))
+        run.expect(f"{mode}: done only with its ticket, else unknown",
+                   cell["sender_state"] == "unknown" or (cell["sender_state"], tickets) == ("done", 1), True)
+    else:
+        run.expect(f"{mode}: the task is lost", (cell["sender_state"], tickets), ("done", 0))
+
+
+def transfer_cell(run, boundary, kind):
+    """A fresh or a stale plan crashes at ``boundary``; a new process retries the same op."""
+    run.db = os.path.join(run.dir, f"{kind}.db")
+    transfer_start(run)
+    if kind == "stale":
+        change(run, "B", 2)
+    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", boundary)
+    crashed = transfer_state(run, f"{kind}.crashed")
+    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+    stored = retry.get("result", retry)["status"]
+    final = transfer_state(run, f"{kind}.retried")
+    del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
+    run.stages[kind] = {"exit_code": code, "effects_after_crash": crashed["effects"],
+                        "retry": retry["status"], "outcome": stored, "effects": final["effects"]}
+    run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
+    committed = boundary == "after_commit"
+    run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"]),
+               (int(committed and kind == "fresh"), int(committed)))
+    run.expect(f"{kind}: the retry answers", (retry_code, retry["status"], stored),
+               (0, "replayed" if committed else stored, "applied" if kind == "fresh" else "stale"))
+
+
+def _matrix_scenario(function, boundary, variants):
+    def cells(run):
+        for variant in variants:
+            function(run, boundary, variant)
+    cells.__name__ = boundary
+    return cells
+
+
+for _boundary in reliability.BOUNDARIES:
+    SCENARIOS[f"reliability/{_boundary}"] = (
+        "crash_matrix", f"crash at {_boundary}: " + ", ".join(matrix_modes(_boundary)),
+        _matrix_scenario(delivery_cell, _boundary, matrix_modes(_boundary)))
+for _boundary in preconditions.BOUNDARIES:
+    # Only the commit of a stored rejection passes after_commit on the stale path.
+    _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
+    SCENARIOS[f"preconditions/{_boundary}"] = (
+        "crash_matrix", f"crash at {_boundary}: " + ", ".join(f"{k} plan" for k in _kinds),
+        _matrix_scenario(transfer_cell, _boundary, _kinds))
+
+
 # --- results, comparison and the command line ------------------------------------------
 
 def results_of(runs):
@@ -846,6 +947,11 @@ def summary(run):
     stages = list(run.stages.values())
     if not stages:
         return "no observation"
+    if SCENARIOS[run.name][0] == "crash_matrix":
+        if run.name.startswith("reliability/"):
+            return ", ".join(f"{mode} {cell['sender_state']} {cell['tickets']}" for mode, cell in run.stages.items())
+        return ", ".join(f"{kind}: exit {cell['exit_code']}, retry {cell['retry']} {cell['outcome']}"
+                         for kind, cell in run.stages.items())
     first, last = stages[0], stages[-1]
     if "receiver_tickets" in last:
         return (f"tickets {first['receiver_tickets']} -> {last['receiver_tickets']}, "
@@ -891,13 +997,13 @@ def main(argv=None):
     ok_mark, bad_mark = marks()
     out = sys.stderr if args.json else sys.stdout
     runs = run_all(names)
+    width = max(len(name) for name in names)
     article = None
     for run in runs:
         if SCENARIOS[run.name][0] != article:
             article = SCENARIOS[run.name][0]
-            print({"article_1": "Article 1: the tool did the work but the receipt was lost",
-                   "article_7": "Article 7: no duplicate execution, yet still wrong"}[article], file=out)
-        print(f"  {ok_mark if not run.failures else bad_mark} {run.name:28} {summary(run)}", file=out)
+            print(HEADINGS[article], file=out)
+        print(f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {summary(run)}", file=out)
         for failure in run.failures:
             print(f"      invariant failed: {failure}", file=out)
     failed = sum(bool(run.failures) for run in runs)

@@ -532,6 +532,32 @@ class Scenarios(unittest.TestCase):
         self.assertEqual(scenario("concurrent_same_op")["after_race"]["statuses"], {"applied": 1, "replayed": 15})
 
 
+class CrashMatrix(unittest.TestCase):
+    """Every boundary in preconditions.BOUNDARIES, crashed for real, then retried by a new process."""
+
+    def test_every_boundary_is_all_or_nothing_and_its_retry_answers_right(self):
+        runs = _RUNS()
+        for boundary in pre.BOUNDARIES:
+            run = runs[f"preconditions/{boundary}"]
+            with self.subTest(boundary):
+                self.assertEqual(run.failures, [])
+                fresh = run.stages["fresh"]
+                self.assertEqual(fresh["exit_code"], pre.EXIT_CODES[boundary])
+                committed = boundary == "after_commit"
+                self.assertEqual((fresh["effects_after_crash"], fresh["retry"], fresh["outcome"], fresh["effects"]),
+                                 (int(committed), "replayed" if committed else "applied", "applied", 1))
+        stale = runs["preconditions/after_commit"].stages["stale"]
+        self.assertEqual((stale["exit_code"], stale["retry"], stale["outcome"], stale["effects"]),
+                         (73, "replayed", "stale", 0))
+
+    def test_the_matrix_reproduces_results_json(self):
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            committed = json.load(handle)["crash_matrix"]
+        observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
+        self.assertEqual({k: v for k, v in observed.items() if k.startswith("preconditions/")},
+                         {k: v for k, v in committed.items() if k.startswith("preconditions/")})
+
+
 class CommandLine(unittest.TestCase):
     """The script itself, started as the experiment's --exec mode starts it: isolated, no site."""
 

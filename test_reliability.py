@@ -883,6 +883,48 @@ class ScenarioTest(unittest.TestCase):
         self.assertEqual(figures(final, "sender_state", "external_tickets"), ("unknown", 2))
 
 
+class CrashMatrixTest(unittest.TestCase):
+    """Every boundary in reliability.BOUNDARIES, crashed for real in every mode that reaches it."""
+
+    def cells(self):
+        runs = _RUNS()
+        return {boundary: runs[f"reliability/{boundary}"] for boundary in reliability.BOUNDARIES}
+
+    def test_every_boundary_has_a_row_whose_cells_all_crashed_for_real(self):
+        for boundary, run in self.cells().items():
+            with self.subTest(boundary):
+                self.assertEqual(run.failures, [])
+                self.assertEqual(list(run.stages), list(run_experiment.matrix_modes(boundary)))
+                self.assertEqual({cell["exit_code"] for cell in run.stages.values()}, {CRASH_EXIT})
+        self.assertEqual(set(reliability.ENQUEUE_BOUNDARIES + reliability.CHILD_BOUNDARIES)
+                         - set(reliability.BOUNDARIES), set())
+
+    def test_idempotent_mode_delivers_exactly_once_whatever_the_boundary(self):
+        for boundary, run in self.cells().items():
+            if "idempotent" in run.stages:
+                cell = run.stages["idempotent"]
+                self.assertEqual((boundary, cell["sender_state"], cell["tickets"]), (boundary, "done", 1))
+
+    def test_naive_mode_duplicates_exactly_where_a_committed_ticket_went_unrecorded(self):
+        twice = {boundary for boundary, run in self.cells().items() if run.stages.get("naive", {}).get("tickets") == 2}
+        self.assertEqual(twice, {"after_receiver_commit", "after_response_before_ack"})
+
+    def test_external_mode_is_never_retried_and_unknown_unless_a_response_was_recorded(self):
+        for boundary, run in self.cells().items():
+            cell = run.stages.get("external")
+            if cell:
+                self.assertEqual(cell["attempts"], 1)
+                self.assertIn((cell["sender_state"], cell["tickets"]), {("unknown", 0), ("unknown", 1), ("done", 1)})
+        self.assertEqual(self.cells()["after_claim"].stages["external"]["sender_state"], "unknown")
+
+    def test_the_matrix_reproduces_results_json(self):
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            committed = json.load(handle)["crash_matrix"]
+        observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
+        self.assertEqual({k: v for k, v in observed.items() if k.startswith("reliability/")},
+                         {k: v for k, v in committed.items() if k.startswith("reliability/")})
+
+
 class ChildStartTest(unittest.TestCase):
     def test_failed_batch_start_kills_and_reaps_the_children_already_started(self):
         started = [mock.Mock(), mock.Mock(), mock.Mock()]
