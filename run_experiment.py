@@ -15,6 +15,7 @@ quantities and revisions only, so a rerun reproduces them byte for byte.
 Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage.
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -330,15 +331,24 @@ def _open(run, name):
     return reliability.connect(os.path.join(run.root, name))
 
 
+@contextlib.contextmanager
+def reader(path):
+    """A read-only connection for the observer: it sees what was committed, and its close
+    never checkpoints, so observing does not change how the next process finds the files."""
+    connection = sqlite3.connect("file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+                                 + "?mode=ro", uri=True, isolation_level=None)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
 def observe(run, stage, exit_codes=()):
     """Record what the three databases hold now for the scenario's request."""
     seen = {}
     for name in reliability.KINDS:
-        connection = _open(run, name)
-        try:
+        with reader(os.path.join(run.root, name)) as connection:
             seen[name] = reliability.snapshot(connection)
-        finally:
-            connection.close()
     rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
     row = rows[0] if rows else {"state": "absent", "attempts": 0, "response": None}
     observation = {
@@ -597,11 +607,8 @@ def unsafe_external_retry(run):
 
 def transfer_state(run, stage, **extra):
     """Record quantities, revisions, effects and receipts of the transfer database now."""
-    connection = preconditions.connect(run.db)
-    try:
+    with reader(run.db) as connection:
         seen = preconditions.snapshot(connection)
-    finally:
-        connection.close()
     resources = seen["resources"]
     observation = {"quantities": {n: r["quantity"] for n, r in resources.items()},
                    "revisions": {n: r["revision"] for n, r in resources.items()},
