@@ -53,7 +53,8 @@ CRASH_EXIT = 73
 # and are used only when a request is enqueued with them explicitly.
 MODES = ("idempotent", "naive", "mark_before", "external")
 UNSAFE_MODES = ("naive", "mark_before")
-STATES = ("pending", "inflight", "done", "unknown", "blocked")
+STATES = ("pending", "inflight", "done", "unknown", "blocked", "abandoned")
+DECISIONS = ("done", "retry", "abandon")  # what a person may record for an unknown row
 
 LEASE_TICKS = 10             # a claim at tick t may be taken over at tick t + 10
 MAX_IDENTITY_LENGTH = 200    # caller and operation key, in characters
@@ -72,15 +73,26 @@ SCHEMAS = {
     SENDER: """
         CREATE TABLE requests (
             caller TEXT NOT NULL, key TEXT NOT NULL, mode TEXT NOT NULL,
-            digest TEXT NOT NULL, payload TEXT NOT NULL,
+            digest TEXT NOT NULL, payload TEXT NOT NULL, issued_at INTEGER NOT NULL,
             PRIMARY KEY (caller, key)) WITHOUT ROWID;
         CREATE TABLE outbox (
             id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
-            state TEXT NOT NULL CHECK (state IN ('pending','inflight','done','unknown','blocked')),
+            state TEXT NOT NULL
+                CHECK (state IN ('pending','inflight','done','unknown','blocked','abandoned')),
             attempts INTEGER NOT NULL DEFAULT 0, lease_until INTEGER, response TEXT,
+            owner_pid INTEGER, tool_pid INTEGER,  -- who may still act for the current attempt
             UNIQUE (caller, key),
             FOREIGN KEY (caller, key) REFERENCES requests (caller, key));
         CREATE INDEX outbox_due ON outbox (state, lease_until);
+        CREATE TABLE resolutions (
+            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
+            attempt INTEGER NOT NULL, decision TEXT NOT NULL CHECK (decision IN ('done','retry','abandon')),
+            decided_by TEXT NOT NULL, reason TEXT NOT NULL, evidence TEXT,
+            FOREIGN KEY (caller, key) REFERENCES requests (caller, key));
+        CREATE TRIGGER resolutions_never_updated BEFORE UPDATE ON resolutions
+            BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END;
+        CREATE TRIGGER resolutions_never_deleted BEFORE DELETE ON resolutions
+            BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END;
     """,
     RECEIVER: """
         CREATE TABLE tickets (
@@ -89,18 +101,29 @@ SCHEMAS = {
         CREATE TABLE receipts (
             caller TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
             ticket_id INTEGER NOT NULL REFERENCES tickets (id), response TEXT NOT NULL,
+            tick INTEGER NOT NULL,  -- when it was written, for purge()
             PRIMARY KEY (caller, key)) WITHOUT ROWID;
+        -- Receipts older than low_water may be gone: a request issued before it is refused.
+        CREATE TABLE retention (
+            id INTEGER PRIMARY KEY CHECK (id = 1), low_water INTEGER NOT NULL);
+        INSERT INTO retention VALUES (1, 0);
     """,
     EXTERNAL: """
         CREATE TABLE tickets (
             id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
             digest TEXT NOT NULL, payload TEXT NOT NULL);
+        -- The tool's own search, the way a ticketing API can be queried by reference.
+        CREATE INDEX tickets_by_reference ON tickets (caller, key);
     """,
 }
 
 
 class Conflict(Exception):
     """The same (caller, key) already stands for a different intent."""
+
+
+class Expired(Exception):
+    """The key's receipt may have been purged: the request is refused; a new key is a new decision."""
 
 
 class CorruptRecord(Exception):
@@ -160,6 +183,19 @@ def connect(path):
         connection.close()
         raise
     return connection
+
+
+def wal_reset_bug(version=None):
+    """True if this SQLite (default: the linked one) has the WAL-reset race.
+
+    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to
+    3.50.7 and 3.44.6), can corrupt a WAL database or lose commits when several
+    connections write and checkpoint: exactly the use these modules teach.
+    """
+    version = tuple(version or sqlite3.sqlite_version_info)
+    if not (3, 7, 0) <= version < (3, 51, 3):
+        return False
+    return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
 
 
 @contextlib.contextmanager
@@ -227,6 +263,15 @@ def check_identity(caller, key):
         value.encode("utf-8")  # a lone surrogate raises here, before any transaction
 
 
+def check_ticks(issued_at, now):
+    """Logical ticks are non-negative ints, and nothing is issued after it is received."""
+    for name, value in (("now", now), ("issued_at", issued_at)):
+        if value is not None and (type(value) is not int or value < 0):
+            raise ValueError(f"{name} must be a non-negative int tick")
+    if issued_at is not None and issued_at > now:
+        raise ValueError(f"issued_at {issued_at} is later than now {now}")
+
+
 def canonical(payload):
     """Return (text, digest) for a JSON object: sorted keys, compact, UTF-8, SHA-256.
 
@@ -263,16 +308,18 @@ def _crash(fault, boundary):
 
 # --- the idempotent receiver -------------------------------------------------------
 
-def receive(connection, caller, key, payload, *, fault=None):
+def receive(connection, caller, key, payload, *, issued_at=None, now=0, fault=None):
     """Create one ticket per (caller, key), however often the request arrives.
 
     The receipt check, the ticket and the receipt (holding the exact response) share
     one BEGIN IMMEDIATE transaction, so a replay returns the identical response and a
     different payload under the same key raises Conflict.  Holds while receipts are
-    kept; deleting one lets a late replay create a second ticket.
+    kept: once purge() has run, a request issued (``issued_at``) before its low-water
+    mark and found without a receipt raises Expired instead of acting again.
     """
     check_identity(caller, key)
     text, digest = canonical(payload)
+    check_ticks(issued_at, now)
     _check_fault(fault)
     # Receipts are never changed once committed, so one read outside the write lock
     # sees exactly what a read inside it would: replays cost no lock and no fsync.
@@ -284,16 +331,40 @@ def receive(connection, caller, key, payload, *, fault=None):
         response = _stored_response(connection, caller, key, digest)
         if response is not None:
             return response
+        # Read under the lock: purge() moves the mark in a transaction of its own.
+        low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
+        if low_water and (issued_at is None or issued_at < low_water):
+            raise Expired(f"{caller!r}/{key!r} was issued before tick {low_water}, whose receipts may be "
+                          "purged: it could be a late replay, so it is refused (a new key is a new decision)")
         ticket = connection.execute(
             "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
             (caller, key, digest, text)).lastrowid
         response = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
         connection.execute(
-            "INSERT INTO receipts (caller, key, digest, ticket_id, response) VALUES (?, ?, ?, ?, ?)",
-            (caller, key, digest, ticket, _dumps(response)))
+            "INSERT INTO receipts (caller, key, digest, ticket_id, response, tick) VALUES (?, ?, ?, ?, ?, ?)",
+            (caller, key, digest, ticket, _dumps(response), now))
         _crash(fault, "before_receiver_commit")  # the ticket exists only inside this transaction
     _crash(fault, "after_receiver_commit")  # committed, and nobody has been told
     return response
+
+
+def purge(connection, now, window):
+    """Delete receipts written before ``now - window`` and raise the low-water mark to it, atomically.
+
+    From then on receive() refuses, as Expired, any request issued before the mark
+    that finds no receipt; the mark never moves backwards.
+    """
+    check_ticks(None, now)
+    if type(window) is not int or window <= 0:
+        raise ValueError("window must be a positive int number of ticks")
+    mark = now - window
+    with transaction(connection):
+        low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
+        if mark < low_water:
+            raise ValueError(f"the low-water mark is {low_water}; {mark} would move it backwards")
+        deleted = connection.execute("DELETE FROM receipts WHERE tick < ?", (mark,)).rowcount
+        connection.execute("UPDATE retention SET low_water = ?", (mark,))
+    return {"deleted": deleted, "low_water": mark}
 
 
 def _stored_response(connection, caller, key, digest):
@@ -323,14 +394,16 @@ def _dumps(value):
 
 # --- the durable outbox -------------------------------------------------------------
 
-def enqueue(connection, caller, key, payload, *, mode="idempotent", fault=None):
+def enqueue(connection, caller, key, payload, *, mode="idempotent", now=0, fault=None):
     """Persist an intent and its outbox row in one transaction, once per (caller, key).
 
     Returns "accepted" or, for the same intent again, "duplicate" (nothing added);
-    the same key with a different payload or mode raises Conflict.
+    the same key with a different payload or mode raises Conflict.  ``now`` is kept
+    as the intent's issue tick, which every delivery carries to the receiver.
     """
     check_identity(caller, key)
     text, digest = canonical(payload)
+    check_ticks(None, now)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
     _check_fault(fault, ENQUEUE_BOUNDARIES)
@@ -341,8 +414,8 @@ def enqueue(connection, caller, key, payload, *, mode="idempotent", fault=None):
             if rows[0] != (mode, digest):
                 raise Conflict(f"key {key!r} of caller {caller!r} was enqueued with another intent")
             return "duplicate"
-        connection.execute("INSERT INTO requests (caller, key, mode, digest, payload) VALUES (?, ?, ?, ?, ?)",
-                           (caller, key, mode, digest, text))
+        connection.execute("INSERT INTO requests (caller, key, mode, digest, payload, issued_at)"
+                           " VALUES (?, ?, ?, ?, ?, ?)", (caller, key, mode, digest, text, now))
         connection.execute("INSERT INTO outbox (caller, key, state) VALUES (?, ?, 'pending')", (caller, key))
         _crash(fault, "before_intent_commit")  # neither row survives: the caller must resubmit
     _crash(fault, "after_intent_commit")  # both rows survive, the caller never heard "accepted"
@@ -361,13 +434,13 @@ def claim(connection, now):
     with transaction(connection):
         while True:
             rows = connection.execute(
-                "SELECT o.caller, o.key, o.state, o.attempts, r.mode, r.digest, r.payload"
+                "SELECT o.caller, o.key, o.state, o.attempts, r.mode, r.digest, r.payload, r.issued_at"
                 " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
                 " WHERE o.state = 'pending' OR (o.state = 'inflight' AND o.lease_until <= ?)"
                 " ORDER BY o.id LIMIT 1", (now,)).fetchall()
             if not rows:
                 return None
-            caller, key, state, attempts, mode, digest, text = rows[0]
+            caller, key, state, attempts, mode, digest, text, issued_at = rows[0]
             if mode not in MODES:
                 _block(connection, caller, key, f"corrupt intent: unknown mode {mode!r}")
                 continue
@@ -375,7 +448,8 @@ def claim(connection, now):
                 # The old attempt may have reached the tool: retrying could act twice.
                 _set_state(connection, caller, key, attempts, "unknown")
                 continue
-            row = {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest}
+            row = {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest,
+                   "issued_at": issued_at, "now": now}
             try:
                 row["payload"] = json.loads(text)
                 if canonical(row["payload"])[1] != digest:
@@ -383,9 +457,10 @@ def claim(connection, now):
             except (TypeError, ValueError) as error:
                 _block(connection, caller, key, f"corrupt intent: {error}")
                 continue
+            # Who holds the attempt: reconcile() treats absence as proof only once it is gone.
             connection.execute(
-                "UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?"
-                " WHERE caller = ? AND key = ?", (attempts + 1, now + LEASE_TICKS, caller, key))
+                "UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?, owner_pid = ?, tool_pid = NULL"
+                " WHERE caller = ? AND key = ?", (attempts + 1, now + LEASE_TICKS, os.getpid(), caller, key))
             return row
 
 
@@ -450,35 +525,50 @@ def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT, start=
 def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """Call the tool for a claimed row and record the outcome under its attempt number."""
     _check_fault(fault)
-    response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
-                                    timeout=timeout, start=start)
-    _crash(fault, "after_response_before_ack")
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
+    on_start = None
+    if row["mode"] == "external":
+        def on_start(pid):
+            # Committed before the request is sent, so reconcile() can tell whether the
+            # one process that could still act for this attempt is gone.
+            with transaction(connection):
+                connection.execute("UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
+                                   " AND state = 'inflight' AND attempts = ?", (pid, caller, key, attempt))
+    response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
+                                    timeout=timeout, start=start, on_start=on_start)
+    _crash(fault, "after_response_before_ack")
     result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
               "response": None, "acknowledged": False}
-    if isinstance(response, dict) and response.get("error") == "conflict":
+    if isinstance(response, dict) and response.get("error") in ("conflict", "expired"):
+        # The receiver refused for good: a person, or a new key, decides what follows.
         with transaction(connection):
-            _set_state(connection, caller, key, attempt, "blocked")
-    elif response is not None:
+            connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?"
+                               " AND state = 'inflight' AND attempts = ?", (_dumps(response), caller, key, attempt))
+        result["response"] = response
+        return result
+    if response is not None:
         try:
             result["acknowledged"] = acknowledge(connection, caller, key, attempt, response)
             result["response"] = response
         except ValueError:
             response = None
     if response is None and row["mode"] == "external":
-        # The tool may or may not have acted; only a lookup or a person can tell.
+        # The tool may or may not have acted; only a lookup or a person can tell.  Its
+        # child is reaped and this process gives up the attempt: nobody can still act.
         with transaction(connection):
-            _set_state(connection, caller, key, attempt, "unknown")
+            connection.execute("UPDATE outbox SET state = 'unknown', owner_pid = NULL, tool_pid = NULL"
+                               " WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
+                               (caller, key, attempt))
     _crash(fault, "after_ack")
     return result
 
 
-def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
+def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None, on_start=None):
     """Run the row's tool in a child process; return (parsed first output line or None, exit code).
 
     ``start(argv)`` launches ``reliability.py argv...`` as a child with piped stdin and
-    stdout (default: a fresh interpreter).  A child that outlives ``timeout`` is
-    killed and reaped; its exit code is then None.
+    stdout (default: a fresh interpreter); ``on_start(pid)`` runs before the request
+    is sent.  A child that outlives ``timeout`` is killed and reaped (exit code None).
     """
     import subprocess  # only the sender spawns; tool children start faster without it
     _check_fault(fault, CHILD_BOUNDARIES)
@@ -487,13 +577,20 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     if fault is not None:
         argv += ["--fault", fault]
     child = (start or start_child)(argv)
-    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"]})
+    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
+                      "issued_at": row.get("issued_at"), "now": row.get("now", 0)})
     try:
+        if on_start is not None:
+            on_start(child.pid)
         output, _ = child.communicate(request + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
         return None, None
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
     line = output.split("\n", 1)[0]
     try:
         return json.loads(line), child.returncode
@@ -512,13 +609,16 @@ def start_child(argv):
 def serve(kind, database, request_line, *, fault=None):
     """Child side of call_tool: answer one request and return the line to write."""
     request = json.loads(request_line)
-    function = {"receive": receive, "unsafe-receive": unsafe_receive_without_receipt,
-                "external": external_create_ticket}[kind]
     connection = connect(database)
     try:
-        response = function(connection, request["caller"], request["key"], request["payload"], fault=fault)
-    except Conflict as error:
-        response = {"error": "conflict", "message": str(error)}
+        if kind == "receive":
+            response = receive(connection, request["caller"], request["key"], request["payload"],
+                               issued_at=request.get("issued_at"), now=request.get("now", 0), fault=fault)
+        else:
+            function = unsafe_receive_without_receipt if kind == "unsafe-receive" else external_create_ticket
+            response = function(connection, request["caller"], request["key"], request["payload"], fault=fault)
+    except (Conflict, Expired) as error:
+        response = {"error": "conflict" if isinstance(error, Conflict) else "expired", "message": str(error)}
     finally:
         connection.close()
     return _dumps(response)
@@ -536,6 +636,99 @@ def external_create_ticket(connection, caller, key, payload, *, fault=None):
             (caller, key, digest, text)).lastrowid
     _crash(fault, "after_external_effect")
     return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+
+
+# --- leaving unknown: ask the tool, or record a person's decision --------------------
+
+def lookup_external(connection, caller, key):
+    """The external tool's own search by reference: its tickets for (caller, key), oldest first."""
+    return [{"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+            for ticket, digest in connection.execute(
+                "SELECT id, digest FROM tickets WHERE caller = ? AND key = ? ORDER BY id", (caller, key))]
+
+
+def reconcile(connection, tool, caller, key, now):
+    """Settle an unknown row from the tool's records (``tool``: an open external.db connection).
+
+    One matching ticket makes the row done with it.  No ticket sends the row back to
+    pending only if the unanswered attempt can no longer act: its lease has ended and
+    the processes that held it (sender and tool child, same machine) are gone.
+    Anything less certain leaves it unknown.  Returns a dict whose "status" is the row's state.
+    """
+    check_identity(caller, key)
+    check_ticks(None, now)
+    rows = connection.execute(
+        "SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.tool_pid, r.digest FROM outbox o"
+        " JOIN requests r ON r.caller = o.caller AND r.key = o.key WHERE o.caller = ? AND o.key = ?",
+        (caller, key)).fetchall()
+    if not rows:
+        raise ValueError(f"no request {caller!r}/{key!r}")
+    state, attempt, lease_until, owner_pid, tool_pid, digest = rows[0]
+    if state != "unknown":
+        return {"status": state, "reason": "not unknown: nothing to reconcile"}
+    # Decided before the lookup: once nobody can act, an absent ticket stays absent.
+    can_act = now < (lease_until or 0) or any(_alive(pid) for pid in (owner_pid, tool_pid) if pid)
+    found = lookup_external(tool, caller, key)
+    if len(found) == 1 and found[0]["digest"] == digest:
+        with transaction(connection):
+            connection.execute("UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
+                               " AND state = 'unknown' AND attempts = ?", (_dumps(found[0]), caller, key, attempt))
+        return {"status": "done", "response": found[0]}
+    if found:
+        return {"status": "unknown", "reason": f"the tool holds {len(found)} ticket(s) that do not settle it"}
+    if can_act:
+        return {"status": "unknown", "reason": "no ticket yet, but the unanswered attempt may still act"}
+    with transaction(connection):
+        connection.execute("UPDATE outbox SET state = 'pending', owner_pid = NULL, tool_pid = NULL"
+                           " WHERE caller = ? AND key = ? AND state = 'unknown' AND attempts = ?",
+                           (caller, key, attempt))
+    return {"status": "pending", "reason": "proven absent: retry under the same key"}
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # a reused pid counts as alive: the safe mistake
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve(connection, caller, key, decision, *, by, why, evidence=None):
+    """Record a person's decision on an unknown or blocked row, with the audit row, atomically.
+
+    ``decision``: "done" (``evidence`` must be the tool's response for this request),
+    "retry" (back to pending, same key) or "abandon".  The audit row is never rewritten.
+    """
+    check_identity(caller, key)
+    if decision not in DECISIONS:
+        raise ValueError(f"decision must be one of {', '.join(DECISIONS)}")
+    for name, value in (("by", by), ("why", why)):
+        if type(value) is not str or not value.strip() or len(value) > 1000:
+            raise ValueError(f"{name} must be a non-empty str of at most 1000 characters")
+    if (evidence is None) == (decision == "done"):
+        raise ValueError("evidence is required for done, and only for done")
+    with transaction(connection):
+        rows = connection.execute(
+            "SELECT o.state, o.attempts, r.digest FROM outbox o JOIN requests r"
+            " ON r.caller = o.caller AND r.key = o.key WHERE o.caller = ? AND o.key = ?", (caller, key)).fetchall()
+        if not rows:
+            raise ValueError(f"no request {caller!r}/{key!r}")
+        state, attempt, digest = rows[0]
+        if state not in ("unknown", "blocked"):
+            raise ValueError(f"only an unknown or blocked row is resolved by hand; this one is {state}")
+        if evidence is not None:
+            check_response(evidence, caller, key, digest)
+        new_state = {"done": "done", "retry": "pending", "abandon": "abandoned"}[decision]
+        connection.execute("UPDATE outbox SET state = ?, response = ?, owner_pid = NULL, tool_pid = NULL"
+                           " WHERE caller = ? AND key = ?",
+                           (new_state, _dumps(evidence) if evidence else None, caller, key))
+        audit = connection.execute(
+            "INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason, evidence)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (caller, key, attempt, decision, by, why, _dumps(evidence) if evidence else None)).lastrowid
+    return {"status": new_state, "resolution": audit}
 
 
 # --- setup and observation ----------------------------------------------------------
@@ -600,6 +793,12 @@ def unsafe_dispatch_mark_before(connection, root, row, *, fault=None, timeout=CH
             "response": response, "acknowledged": False}
 
 
+def unsafe_delete_receipts(connection, before_tick):
+    """UNSAFE baseline: deletes old receipts without a low-water mark, so a late replay acts again."""
+    with transaction(connection):
+        return connection.execute("DELETE FROM receipts WHERE tick < ?", (before_tick,)).rowcount
+
+
 def unsafe_retry_unknown(connection, root, caller, key, *, timeout=CHILD_TIMEOUT, start=None):
     """UNSAFE baseline: calls the external tool again for an unknown row, ignoring the policy."""
     attempts = connection.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?",
@@ -610,7 +809,12 @@ def unsafe_retry_unknown(connection, root, caller, key, *, timeout=CHILD_TIMEOUT
 # --- command line --------------------------------------------------------------------
 
 def main(argv=None):
-    """Small CLI: init, enqueue, claim, dispatch, snapshot, and the child's serve."""
+    """Small CLI over ROOT (the folder of the three databases); prints one JSON line.
+
+    init, enqueue, claim, dispatch, deliver, snapshot, reconcile, resolve, purge, and
+    the tool child's serve.  Exit 0 done, 1 refused or failed (one line on stderr),
+    2 bad usage; --fault exits with CRASH_EXIT at that boundary.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         # Parsed by hand: one child starts per tool call, and its start-up is the call's cost.
@@ -623,64 +827,79 @@ def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("init", help="create the three databases").add_argument("root")
-    p = sub.add_parser("enqueue", help="accept an intent into the outbox")
-    p.add_argument("root"), p.add_argument("caller"), p.add_argument("key")
-    p.add_argument("payload", help="a JSON object")
-    p.add_argument("--mode", choices=MODES, default="idempotent")
-    p.add_argument("--fault", choices=ENQUEUE_BOUNDARIES)
-    for name, helptext in (("claim", "claim one due row"), ("dispatch", "claim one due row and call its tool")):
+
+    def command(name, helptext, *positional, now=False):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("root"), p.add_argument("--now", type=int, required=True, help="logical tick")
-        if name == "dispatch":
-            p.add_argument("--fault", choices=BOUNDARIES[2:])
-    p = sub.add_parser("deliver", help="call the tool for a row claimed earlier, under its attempt")
-    p.add_argument("root"), p.add_argument("caller"), p.add_argument("key")
-    p.add_argument("--attempt", type=int, required=True)
-    sub.add_parser("snapshot", help="print what the three databases hold").add_argument("root")
+        for argument in ("root",) + positional:
+            p.add_argument(argument)
+        if now:
+            p.add_argument("--now", type=int, required=True, help="logical tick")
+        return p
+
+    command("init", "create the three databases")
+    p = command("enqueue", "accept an intent into the outbox", "caller", "key", "payload")
+    p.add_argument("--mode", choices=MODES, default="idempotent")
+    p.add_argument("--now", type=int, default=0, help="logical tick the intent is issued at")
+    p.add_argument("--fault", choices=ENQUEUE_BOUNDARIES)
+    command("claim", "claim one due row", now=True)
+    command("dispatch", "claim one due row and call its tool", now=True).add_argument(
+        "--fault", choices=BOUNDARIES[2:])
+    command("deliver", "call the tool for a row claimed earlier, under its attempt", "caller", "key",
+            now=True).add_argument("--attempt", type=int, required=True)
+    command("snapshot", "print what the three databases hold")
+    command("reconcile", "settle an unknown row from the external tool's records", "caller", "key", now=True)
+    p = command("resolve", "record a person's decision on an unknown or blocked row", "caller", "key", "decision")
+    p.add_argument("--by", required=True), p.add_argument("--why", required=True)
+    p.add_argument("--evidence", help="for done: the tool's response, as JSON")
+    command("purge", "delete old receipts and raise the low-water mark", now=True).add_argument(
+        "--window", type=int, required=True)
     args = parser.parse_args(argv)
     try:
-        if args.command == "init":
-            init(args.root)
-            result = "initialised"
-        elif args.command == "snapshot":
-            result = {}
-            for name in KINDS:
-                connection = connect(os.path.join(args.root, name))
-                try:
-                    result[name[:-3]] = snapshot(connection)
-                finally:
-                    connection.close()
-        else:
-            connection = connect(os.path.join(args.root, SENDER))
-            try:
-                if args.command == "enqueue":
-                    result = enqueue(connection, args.caller, args.key, json.loads(args.payload),
-                                     mode=args.mode, fault=args.fault)
-                elif args.command == "claim":
-                    result = claim(connection, args.now)
-                elif args.command == "dispatch":
-                    result = dispatch(connection, args.root, args.now, fault=args.fault)
-                else:
-                    result = deliver(connection, args.root, _claimed_row(connection, args.caller, args.key,
-                                                                         args.attempt))
-            finally:
-                connection.close()
-    except (Conflict, CorruptRecord, OSError, ValueError, TypeError, sqlite3.Error) as error:
+        result = _run(args)
+    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, sqlite3.Error) as error:
         print(f"reliability.py {args.command}: {error}", file=sys.stderr)
         return 1
     print(_dumps(result))
     return 0
 
 
-def _claimed_row(connection, caller, key, attempt):
-    rows = connection.execute("SELECT mode, digest, payload FROM requests WHERE caller = ? AND key = ?",
+def _run(args):
+    if args.command == "init":
+        init(args.root)
+        return "initialised"
+    with contextlib.ExitStack() as stack:
+        def open_(name):
+            connection = connect(os.path.join(args.root, name))
+            stack.callback(connection.close)
+            return connection
+        if args.command == "snapshot":
+            return {name[:-3]: snapshot(open_(name)) for name in KINDS}
+        if args.command == "purge":
+            return purge(open_(RECEIVER), args.now, args.window)
+        sender = open_(SENDER)
+        if args.command == "enqueue":
+            return enqueue(sender, args.caller, args.key, json.loads(args.payload), mode=args.mode,
+                           now=args.now, fault=args.fault)
+        if args.command == "claim":
+            return claim(sender, args.now)
+        if args.command == "dispatch":
+            return dispatch(sender, args.root, args.now, fault=args.fault)
+        if args.command == "deliver":
+            return deliver(sender, args.root, _claimed_row(sender, args.caller, args.key, args.attempt, args.now))
+        if args.command == "reconcile":
+            return reconcile(sender, open_(EXTERNAL), args.caller, args.key, args.now)
+        evidence = json.loads(args.evidence) if args.evidence else None
+        return resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why, evidence=evidence)
+
+
+def _claimed_row(connection, caller, key, attempt, now=0):
+    rows = connection.execute("SELECT mode, digest, payload, issued_at FROM requests WHERE caller = ? AND key = ?",
                               (caller, key)).fetchall()
     if not rows:
         raise ValueError(f"no request {caller!r}/{key!r}")
-    mode, digest, text = rows[0]
+    mode, digest, text, issued_at = rows[0]
     return {"caller": caller, "key": key, "attempt": attempt, "mode": mode, "digest": digest,
-            "payload": json.loads(text)}
+            "payload": json.loads(text), "issued_at": issued_at, "now": now}
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service i
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
 SCENARIOS = {}  # name -> (article, description, function), in article order
 HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was lost",
+            "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
             "article_7": "Article 7: no duplicate execution, yet still wrong",
             "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it applies to"}
 
@@ -228,7 +229,7 @@ def run_scenario(name, base):
     run = Run(name, directory)
     run.template = os.path.join(base, "template")
     try:
-        if article == "article_1":
+        if article in ("article_1", "open_ends"):
             # A copy of databases that reliability.init created (and closed) moments ago.
             fresh_root(run, run.root)
         function(run)
@@ -390,7 +391,9 @@ def dispatch(run, now, fault=None, lane="sender"):
         run.log("child", f"tool child ran to {fault} and exited {result['exit_code']}")
     else:
         run.log("child", f"tool child answered and exited {result['exit_code']}")
-    answer = f"ticket {result['response']['ticket_id']}" if result["response"] else "no valid response"
+    response = result["response"]
+    answer = ("no valid response" if not response else f"a refusal ({response['error']})" if "error" in response
+              else f"ticket {response['ticket_id']}")
     run.log(lane, f"tick {now}: claimed attempt {result['attempt']}, got {answer}, "
             f"{'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
     return [result["exit_code"]]
@@ -535,7 +538,7 @@ def concurrent_claim(run):
     finally:
         connection.close()
     run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
-    code, stale = run_child("reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1)
+    code, stale = run_child("reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1, "--now", 11)
     run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement "
             f"{'accepted' if stale['acknowledged'] else 'refused'}")
     observe(run, "after_stale_ack", [code])
@@ -601,6 +604,95 @@ def unsafe_external_retry(run):
     run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket {answer['ticket_id']}")
     final = observe(run, "after_unsafe_retry", [code])
     run.expect("duplicate", final["external_tickets"], 2)
+
+
+# --- beyond article 1: leaving unknown, and receipts that are not kept forever --------
+
+def _with_connections(run, *names):
+    """Open the named databases of the scenario's root (closed again by the caller's with)."""
+    stack = contextlib.ExitStack()
+    connections = []
+    for name in names:
+        connection = _open(run, name)
+        stack.callback(connection.close)
+        connections.append(connection)
+    return stack, connections
+
+
+@scenario("open_ends", "unknown after the tool acted: the tool's own records settle it as done, no second call")
+def reconcile_found(run):
+    external_crash(run, "after_external_effect")
+    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
+    with stack:
+        result = reliability.reconcile(sender, tool, CALLER, KEY, 11)
+    run.log("recovery", f"tick 11: reconcile looks the key up in the tool: {result['status']}")
+    observe(run, "after_reconcile")
+    final = observe(run, "after_restart", dispatch(run, 12, lane="recovery"))
+    run.expect("settled from the tool's records", (final["sender_state"], final["attempts"], final["external_tickets"],
+                                                   final["response"]["ticket_id"]), ("done", 1, 1, 1))
+
+
+@scenario("open_ends", "unknown before the tool acted: absence proven once nobody can act, retried once")
+def reconcile_absent(run):
+    external_crash(run, "before_external_effect")
+    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
+    with stack:
+        early = reliability.reconcile(sender, tool, CALLER, KEY, 5)
+        late = reliability.reconcile(sender, tool, CALLER, KEY, 11)
+    run.log("recovery", f"tick 5: reconcile says {early['status']} (the lease runs to tick 10)")
+    run.log("recovery", f"tick 11: reconcile says {late['status']} (lease over, processes gone, no ticket)")
+    observe(run, "after_reconcile")["reconciled"] = [early["status"], late["status"]]
+    final = observe(run, "after_retry", dispatch(run, 11, lane="recovery"))
+    run.expect("reconcile", [early["status"], late["status"]], ["unknown", "pending"])
+    run.expect("one retry, one ticket", (final["sender_state"], final["attempts"], final["external_tickets"]),
+               ("done", 2, 1))
+
+
+@scenario("open_ends", "a person settles an unknown row: decision and audit row in one transaction, never rewritten")
+def manual_resolution(run):
+    external_crash(run, "after_external_effect")
+    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
+    with stack:
+        evidence = reliability.lookup_external(tool, CALLER, KEY)[0]
+        result = reliability.resolve(sender, CALLER, KEY, "done", by="operator",
+                                     why="ticket seen in the tool's own interface", evidence=evidence)
+        try:
+            with reliability.transaction(sender):
+                sender.execute("UPDATE resolutions SET reason = 'edited later'")
+            rewrite = "accepted"
+        except sqlite3.IntegrityError:
+            rewrite = "refused"
+        audit = sender.execute("SELECT decision, decided_by, attempt FROM resolutions").fetchall()
+    run.log("recovery", f"operator resolves as done with ticket {evidence['ticket_id']}; rewriting the audit row: "
+            f"{rewrite}")
+    final = observe(run, "after_resolution")
+    final.update(decisions=[list(row) for row in audit], audit_rewrite=rewrite)
+    run.expect("resolved", (result["status"], final["sender_state"], final["external_tickets"]), ("done", "done", 1))
+    run.expect("audit", (len(audit), rewrite), (1, "refused"))
+
+
+def late_replay(run, purge):
+    enqueue(run)
+    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
+    stack, (receiver,) = _with_connections(run, reliability.RECEIVER)
+    with stack:
+        purged = purge(receiver)
+    run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
+    observe(run, "after_purge")
+    return observe(run, "after_late_replay", dispatch(run, 100, lane="recovery"))
+
+
+@scenario("open_ends", "receipts purged with a low-water mark: the late replay is refused as expired, 1 ticket")
+def late_replay_after_purge(run):
+    final = late_replay(run, lambda receiver: reliability.purge(receiver, 100, 50))
+    run.expect("refused, not repeated", (final["sender_state"], final["response"]["error"], final["receiver_tickets"]),
+               ("blocked", "expired", 1))
+
+
+@scenario("open_ends", "counterexample: receipts deleted without the mark, the late replay issues a second ticket")
+def late_replay_without_policy(run):
+    final = late_replay(run, lambda receiver: {"deleted": reliability.unsafe_delete_receipts(receiver, 50)})
+    run.expect("duplicated", (final["sender_state"], final["receiver_tickets"]), ("done", 2))
 
 
 # --- article 7: preconditions.py ---------------------------------------------------------

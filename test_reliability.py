@@ -712,6 +712,7 @@ class DispatchTest(Case):
 
 def timed_out_child():
     child = mock.Mock(name="child")
+    child.pid = 4194304  # above Linux's pid_max: no process has it
     child.communicate.side_effect = [subprocess.TimeoutExpired(cmd="serve", timeout=0.5), ("", None)]
     return child
 
