@@ -69,18 +69,23 @@ SCHEMA = (
         revision INTEGER NOT NULL
             CHECK (typeof(revision) = 'integer' AND revision >= 1)
     ) WITHOUT ROWID""",
-    # One row per op, immutable once committed (a `tick INTEGER` column for
-    # retention can be added later with ALTER TABLE).
+    # One row per op, immutable once committed; purge() may delete old ones.
     """CREATE TABLE receipts (
         op TEXT PRIMARY KEY,
         digest TEXT NOT NULL,
-        result TEXT NOT NULL
+        result TEXT NOT NULL,
+        tick INTEGER NOT NULL
     ) WITHOUT ROWID""",
-    # Keyed by op: at most one effect per decision. The deferred foreign key:
-    # no effect commits without its receipt, which is written last.
+    # Receipts older than low_water may be gone: an op issued before it is refused.
+    """CREATE TABLE retention (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        low_water INTEGER NOT NULL
+    )""",
+    "INSERT INTO retention (id, low_water) VALUES (1, 0)",
+    # Keyed by op: at most one effect per decision.  It commits in the same
+    # transaction as its receipt, and outlives it: purge() forgets receipts, not history.
     """CREATE TABLE effects (
-        op TEXT PRIMARY KEY
-            REFERENCES receipts(op) DEFERRABLE INITIALLY DEFERRED,
+        op TEXT PRIMARY KEY,
         src TEXT NOT NULL,
         dst TEXT NOT NULL,
         amount INTEGER NOT NULL
@@ -176,6 +181,19 @@ def connect(path):
     naming the path.
     """
     return _configure(_open(path), path)
+
+
+def wal_reset_bug(version=None):
+    """True if this SQLite (default: the linked one) has the WAL-reset race.
+
+    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to
+    3.50.7 and 3.44.6), can corrupt a WAL database or lose commits when several
+    connections write and checkpoint: exactly the use this module teaches.
+    """
+    version = tuple(version or sqlite3.sqlite_version_info)
+    if not (3, 7, 0) <= version < (3, 51, 3):
+        return False
+    return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
 
 
 @contextlib.contextmanager
@@ -314,6 +332,13 @@ def _check_fault(fault):
         raise ValueError(f"fault must be None or one of {BOUNDARIES}, got {fault!r}")
 
 
+def check_ticks(issued_at, now):
+    """Logical ticks are non-negative ints, and nothing is issued after it is executed."""
+    _check_int(now, "now", 0, MAX_INT64)
+    if issued_at is not None:
+        _check_int(issued_at, "issued_at", 0, now)
+
+
 def _check_resources(resources):
     if not isinstance(resources, dict):
         raise TypeError(f"resources must be a dict, not {type(resources).__name__}")
@@ -375,16 +400,16 @@ def _answer(stored_digest, stored_result, command_digest):
     return {"status": "replayed", "result": json.loads(stored_result)}
 
 
-def _store(connection, op, command_digest, result):
-    connection.execute("INSERT INTO receipts (op, digest, result) VALUES (?, ?, ?)",
-                       (op, command_digest, canonical(result)))
+def _store(connection, op, command_digest, result, now):
+    connection.execute("INSERT INTO receipts (op, digest, result, tick) VALUES (?, ?, ?, ?)",
+                       (op, command_digest, canonical(result), now))
     return result
 
 
 # Everything one decision depends on, in one read under the write lock: the
-# receipt (history) and both resource rows (the present).
+# receipt (history), the retention mark, and both resource rows (the present).
 _READ_DECISION = """
-    SELECT receipts.digest, receipts.result,
+    SELECT receipts.digest, receipts.result, (SELECT low_water FROM retention),
            src.quantity, src.revision, dst.quantity, dst.revision
     FROM (SELECT ? AS op, ? AS src_name, ? AS dst_name) AS wanted
     LEFT JOIN receipts ON receipts.op = wanted.op
@@ -392,38 +417,38 @@ _READ_DECISION = """
     LEFT JOIN resources AS dst ON dst.name = wanted.dst_name"""
 
 
-def _decide(connection, op, command_digest, command, fault):
+def _decide(connection, op, command_digest, command, fault, issued_at, now):
     """History first, then the present; runs under the write lock.
 
     Returns (result, stored): stored is True when this call wrote a receipt.
     """
     src, dst, amount = command["src"], command["dst"], command["amount"]
-    (stored_digest, stored_result, src_quantity, src_revision,
+    (stored_digest, stored_result, low_water, src_quantity, src_revision,
      dst_quantity, dst_revision), = connection.execute(
         _READ_DECISION, (op, src, dst)).fetchall()
     # A receipt committed since the unlocked read wins over any state check,
     # so a lost-ack retry is never called stale.
     if stored_digest is not None:
         return _answer(stored_digest, stored_result, command_digest), False
+    # No receipt, but it may have been purged: an op issued before the mark could be
+    # a late retry of a decision already made, so it is refused, not decided again.
+    if low_water and (issued_at is None or issued_at < low_water):
+        return {"status": "expired", "low_water": low_water}, False
+    store = lambda result: _store(connection, op, command_digest, result, now)
     if src_revision is None or dst_revision is None:
         missing = [name for name, revision in sorted(((src, src_revision), (dst, dst_revision)))
                    if revision is None]
-        return _store(connection, op, command_digest,
-                      {"status": "missing_resource", "missing": missing}), True
+        return store({"status": "missing_resource", "missing": missing}), True
     expected = command["expected"]
     if src_revision != expected[src] or dst_revision != expected[dst]:
-        return _store(connection, op, command_digest, {
-            "status": "stale", "observed": {src: src_revision, dst: dst_revision}}), True
+        return store({"status": "stale", "observed": {src: src_revision, dst: dst_revision}}), True
     if src_quantity < amount:
-        return _store(connection, op, command_digest,
-                      {"status": "insufficient", "available": src_quantity}), True
+        return store({"status": "insufficient", "available": src_quantity}), True
     for name, revision in ((src, src_revision), (dst, dst_revision)):
         if revision >= MAX_INT64:
-            return _store(connection, op, command_digest, {
-                "status": "overflow", "resource": name, "column": "revision"}), True
+            return store({"status": "overflow", "resource": name, "column": "revision"}), True
     if dst_quantity > MAX_INT64 - amount:
-        return _store(connection, op, command_digest, {
-            "status": "overflow", "resource": dst, "column": "quantity"}), True
+        return store({"status": "overflow", "resource": dst, "column": "quantity"}), True
     # Absolute values computed from the rows read under this same lock: no
     # other writer can have moved them, and SQL arithmetic could turn an
     # overflow into a REAL instead of failing.
@@ -434,7 +459,7 @@ def _decide(connection, op, command_digest, command, fault):
     connection.execute(update, (dst_quantity + amount, dst_revision + 1, dst))
     connection.execute("INSERT INTO effects (op, src, dst, amount) VALUES (?, ?, ?, ?)",
                        (op, src, dst, amount))
-    result = _store(connection, op, command_digest, {
+    result = store({
         "status": "applied",
         "revisions": {src: src_revision + 1, dst: dst_revision + 1},
         "quantities": {src: src_quantity - amount, dst: dst_quantity + amount},
@@ -444,20 +469,23 @@ def _decide(connection, op, command_digest, command, fault):
     return result, True
 
 
-def execute(connection, op, command, *, fault=None):
+def execute(connection, op, command, *, issued_at=None, now=0, fault=None):
     """Run a version-checked transfer plan once; see the module docstring.
 
     Returns {"status": "applied", "revisions": {...}, "quantities": {...}},
     {"status": "stale", "observed": {...}}, {"status": "insufficient",
     "available": q}, {"status": "missing_resource", "missing": [...]},
     {"status": "overflow", "resource": name, "column": c},
-    {"status": "replayed", "result": <stored result>} or {"status": "conflict"}.
-    "replayed" is history, not the present: read snapshot() for current state.
+    {"status": "replayed", "result": <stored result>}, {"status": "conflict"} or,
+    after purge(), {"status": "expired", "low_water": t} for an op issued
+    (``issued_at``) before the mark that has no receipt; conflict and expired are
+    not stored.  "replayed" is history, not the present: read snapshot() for that.
     Raises TypeError/ValueError for malformed input and Busy on lock time-out;
     neither is recorded. `fault` exits the process at a named boundary (tests);
     "after_commit" fires only when this call committed a new outcome.
     """
     validate(op, command)
+    check_ticks(issued_at, now)
     _check_fault(fault)
     command_digest = digest(command)
     # Receipts are never updated or deleted once committed, so a receipt seen
@@ -468,11 +496,29 @@ def execute(connection, op, command, *, fault=None):
     if rows:
         return _answer(rows[0][0], rows[0][1], command_digest)
     with transaction(connection):
-        result, stored = _decide(connection, op, command_digest, command, fault)
+        result, stored = _decide(connection, op, command_digest, command, fault, issued_at, now)
     # After COMMIT of whatever outcome this call stored, rejections included.
     if fault == "after_commit" and stored:
         os._exit(EXIT_CODES["after_commit"])
     return result
+
+
+def purge(connection, now, window):
+    """Delete receipts written before ``now - window`` and raise the low-water mark to it, atomically.
+
+    From then on execute() answers "expired" for an op issued before the mark that
+    has no receipt; the mark never moves backwards.
+    """
+    check_ticks(None, now)
+    _check_int(window, "window", 1, MAX_INT64)
+    mark = now - window
+    with transaction(connection):
+        low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
+        if mark < low_water:
+            raise ValueError(f"the low-water mark is {low_water}; {mark} would move it backwards")
+        deleted = connection.execute("DELETE FROM receipts WHERE tick < ?", (mark,)).rowcount
+        connection.execute("UPDATE retention SET low_water = ?", (mark,))
+    return {"deleted": deleted, "low_water": mark}
 
 
 def change(connection, name, delta):
@@ -559,7 +605,7 @@ def unsafe_check_then_act(connection, op, command, *, pause=None):
             "status": "applied",
             "revisions": {name: after[name][1] for name in (src, dst)},
             "quantities": {name: after[name][0] for name in (src, dst)},
-        })
+        }, 0)
 
 
 # --- CLI ----------------------------------------------------------------------------

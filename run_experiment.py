@@ -1061,6 +1061,15 @@ def summary(run):
     return f"{quantities}, effects {last['effects']}" + (f", {status}" if status else "")
 
 
+def versions(out):
+    """Where this ran, for the reader: on stderr only, never in the results."""
+    print(f"Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}", file=out)
+    if reliability.wal_reset_bug():
+        print(f"warning: SQLite {sqlite3.sqlite_version} has the WAL-reset race (3.7.0 to 3.51.2; fixed in "
+              "3.51.3, 3.50.7, 3.44.6). These experiments reproduce anyway, but see README.md before you "
+              "run many writers on it in production.", file=out)
+
+
 def marks():
     encoding = (getattr(sys.stdout, "encoding", None) or "ascii").lower()
     try:
@@ -1093,6 +1102,7 @@ def main(argv=None):
     if args.explain:
         return explain(run_all([args.explain])[0])
     names = args.only or names
+    versions(sys.stderr)
     ok_mark, bad_mark = marks()
     out = sys.stderr if args.json else sys.stdout
     runs = run_all(names)

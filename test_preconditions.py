@@ -364,6 +364,75 @@ class Protocol(Case):
         self.assert_state(START, 0, 0)
 
 
+class Retention(Case):
+    """purge() with a low-water mark: a late retry of a purged op is refused, never decided again."""
+
+    def receipts(self):
+        return self.c.execute("SELECT op, tick FROM receipts ORDER BY op").fetchall()
+
+    def mark(self):
+        return self.c.execute("SELECT low_water FROM retention").fetchone()[0]
+
+    def test_receipts_record_the_tick_they_were_written_at(self):
+        pre.execute(self.c, "job-1", plan(), issued_at=3, now=5)
+        pre.execute(self.c, "job-2", plan(), now=9)  # stale, stored at tick 9
+        self.assertEqual(self.receipts(), [("job-1", 5), ("job-2", 9)])
+
+    def test_purge_deletes_receipts_older_than_the_window_and_raises_the_mark(self):
+        pre.execute(self.c, "job-1", plan(), now=10)
+        pre.execute(self.c, "job-2", plan(), now=60)
+        self.assertEqual(pre.purge(self.c, 100, 50), {"deleted": 1, "low_water": 50})
+        self.assertEqual((self.receipts(), self.mark()), ([("job-2", 60)], 50))
+
+    def test_purge_refuses_a_window_that_is_not_a_positive_int_and_changes_nothing(self):
+        pre.execute(self.c, "job-1", plan(), now=10)
+        for window, error in ((0, ValueError), (-5, ValueError), (True, TypeError), (2.0, TypeError)):
+            with self.subTest(window=window), self.assertRaises(error):
+                pre.purge(self.c, 100, window)
+        self.assertEqual((self.receipts(), self.mark()), ([("job-1", 10)], 0))
+
+    def test_a_low_water_mark_never_moves_backwards(self):
+        pre.purge(self.c, 100, 50)
+        pre.execute(self.c, "job-1", plan(), issued_at=60, now=60)
+        with self.assertRaises(ValueError):
+            pre.purge(self.c, 80, 50)  # would set the mark to 30
+        self.assertEqual((self.receipts(), self.mark()), ([("job-1", 60)], 50))
+
+    def test_an_op_issued_before_the_mark_without_receipt_is_expired_and_nothing_is_stored(self):
+        pre.execute(self.c, "job-1", plan(), issued_at=0, now=0)  # applied, receipt at tick 0
+        pre.purge(self.c, 100, 50)
+        for issued_at in (0, 49, None):
+            with self.subTest(issued_at=issued_at):
+                self.assertEqual(pre.execute(self.c, "job-2", plan(a=2, b=2), issued_at=issued_at, now=100),
+                                 {"status": "expired", "low_water": 50})
+        after_first = {"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2}}
+        self.assert_state(after_first, 1, 0)
+
+    def test_an_op_issued_at_or_after_the_mark_is_decided_as_usual(self):
+        pre.purge(self.c, 100, 50)
+        self.assertEqual(pre.execute(self.c, "job-1", plan(), issued_at=50, now=100), APPLIED)
+        self.assertEqual(self.receipts(), [("job-1", 100)])
+
+    def test_a_receipt_that_survived_the_purge_still_replays(self):
+        first = pre.execute(self.c, "job-1", plan(), issued_at=0, now=80)
+        pre.purge(self.c, 100, 50)
+        self.assertEqual(pre.execute(self.c, "job-1", plan(), issued_at=0, now=100),
+                         {"status": "replayed", "result": first})
+
+    def test_ticks_must_be_non_negative_ints_and_issued_no_later_than_now(self):
+        for issued_at, now, error in ((5, 4, ValueError), (None, -1, ValueError), (True, 3, TypeError),
+                                      (1, 2.0, TypeError)):
+            with self.subTest(issued_at=issued_at, now=now), self.assertRaises(error):
+                pre.execute(self.c, "job-1", plan(), issued_at=issued_at, now=now)
+        self.assert_state(START, 0, 0)
+
+    def test_wal_reset_bug_names_exactly_the_affected_sqlite_versions(self):
+        affected = [(3, 7, 0), (3, 40, 1), (3, 44, 5), (3, 45, 0), (3, 50, 6), (3, 51, 0), (3, 51, 2)]
+        fixed = [(3, 6, 23), (3, 44, 6), (3, 44, 9), (3, 50, 7), (3, 51, 3), (3, 52, 0)]
+        self.assertEqual([version for version in affected + fixed if pre.wal_reset_bug(version)], affected)
+        self.assertEqual(pre.wal_reset_bug(), pre.wal_reset_bug(sqlite3.sqlite_version_info))
+
+
 class Concurrency(Case):
     def submit_from_threads(self, ops):
         """8 threads, each with its own connection, submit ops together."""
