@@ -213,10 +213,15 @@ class Run:
         self.name, self.dir = name, directory
         self.root = directory  # reliability's three databases live here
         self.db = os.path.join(directory, "transfer.db")  # preconditions' database
-        self.stages, self.failures, self.events, self.integrity = {}, [], [], {}
+        self.stages, self.failures, self.events, self.integrity, self.injected = {}, [], [], {}, []
 
     def log(self, lane, text):
         self.events.append((lane, text))
+
+    def inject(self, text):
+        """Name a fault or an interleaving this run really caused, for its one-line summary."""
+        if text not in self.injected:
+            self.injected.append(text)
 
     def expect(self, label, observed, expected):
         if observed != expected:
@@ -389,6 +394,7 @@ def dispatch(run, now, fault=None, lane="sender"):
         return []
     if fault in reliability.CHILD_BOUNDARIES:
         run.log("child", f"tool child ran to {fault} and exited {result['exit_code']}")
+        run.inject(f"{fault} (exit {result['exit_code']})")
     else:
         run.log("child", f"tool child answered and exited {result['exit_code']}")
     response = result["response"]
@@ -403,6 +409,7 @@ def sender_child(run, *args, fault):
     """A sender that dies for real: the module's own CLI in a child process."""
     code, _ = run_child("reliability.py", args[0], run.root, *args[1:], "--fault", fault)
     run.log("sender", f"sender process ran {args[0]} to {fault} and exited {code}")
+    run.inject(f"{fault} (exit {code})")
     return [code]
 
 
@@ -517,6 +524,7 @@ def mismatched_payload(run):
     answer, code = reliability.call_tool(run.root, {"caller": CALLER, "key": KEY, "mode": "idempotent",
                                                     "payload": changed}, start=start_tool)
     run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
+    run.inject("same key, other payload")
     final = observe(run, "after_mismatch", [code])
     run.stages["after_mismatch"]["refusal"] = answer.get("error")
     run.expect("refusal", answer.get("error"), "conflict")
@@ -529,6 +537,7 @@ def concurrent_claim(run):
     children = start_batch([("reliability.py", "claim", run.root, "--now", 0)] * 8)
     claims = [finish(child) for child in children]
     winners = [json.loads(lines[-1]) for _, lines in claims if lines and lines[-1] != "null"]
+    run.inject("8 claimer processes, a late ack from attempt 1")
     run.log("sender", f"8 claimer processes at tick 0: {len(winners)} won attempt "
             f"{[w['attempt'] for w in winners]}")
     observe(run, "after_race", sorted(code for code, _ in claims))
@@ -567,6 +576,7 @@ def concurrent_receiver(run):
     results = [finish(child) for child in children]
     responses = {lines[-1] for _, lines in results if lines}
     run.log("child", f"8 receiver processes answered with {len(responses)} distinct response(s)")
+    run.inject("8 receiver processes, one request")
     final = observe(run, "after_race", sorted(code for code, _ in results))
     final["distinct_responses"] = len(responses)
     run.expect("outcome", (final["receiver_tickets"], final["receiver_receipts"], len(responses)), (1, 1, 1))
@@ -602,6 +612,7 @@ def unsafe_external_retry(run):
     finally:
         connection.close()
     run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket {answer['ticket_id']}")
+    run.inject("forced retry")
     final = observe(run, "after_unsafe_retry", [code])
     run.expect("duplicate", final["external_tickets"], 2)
 
@@ -626,6 +637,7 @@ def reconcile_found(run):
     with stack:
         result = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 11: reconcile looks the key up in the tool: {result['status']}")
+    run.inject("reconcile")
     observe(run, "after_reconcile")
     final = observe(run, "after_restart", dispatch(run, 12, lane="recovery"))
     run.expect("settled from the tool's records", (final["sender_state"], final["attempts"], final["external_tickets"],
@@ -641,6 +653,7 @@ def reconcile_absent(run):
         late = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 5: reconcile says {early['status']} (the lease runs to tick 10)")
     run.log("recovery", f"tick 11: reconcile says {late['status']} (lease over, processes gone, no ticket)")
+    run.inject("reconcile")
     observe(run, "after_reconcile")["reconciled"] = [early["status"], late["status"]]
     final = observe(run, "after_retry", dispatch(run, 11, lane="recovery"))
     run.expect("reconcile", [early["status"], late["status"]], ["unknown", "pending"])
@@ -665,6 +678,7 @@ def manual_resolution(run):
         audit = sender.execute("SELECT decision, decided_by, attempt FROM resolutions").fetchall()
     run.log("recovery", f"operator resolves as done with ticket {evidence['ticket_id']}; rewriting the audit row: "
             f"{rewrite}")
+    run.inject("resolve by hand")
     final = observe(run, "after_resolution")
     final.update(decisions=[list(row) for row in audit], audit_rewrite=rewrite)
     run.expect("resolved", (result["status"], final["sender_state"], final["external_tickets"]), ("done", "done", 1))
@@ -678,6 +692,7 @@ def late_replay(run, purge):
     with stack:
         purged = purge(receiver)
     run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
+    run.inject("purge" if "low_water" in purged else "receipts deleted")
     observe(run, "after_purge")
     return observe(run, "after_late_replay", dispatch(run, 100, lane="recovery"))
 
@@ -727,13 +742,15 @@ def execute(run, op, command=PLAN, lane="parent"):
     return result
 
 
-def change(run, name, delta, lane="parent"):
+def change(run, name, delta, lane="parent", inject=True):
     connection = preconditions.connect(run.db)
     try:
         result = preconditions.change(connection, name, delta)
     finally:
         connection.close()
     run.log(lane, f"another write: {name} {delta:+d}")
+    if inject:
+        run.inject(f"{name} {delta:+d}")
     return result
 
 
@@ -743,7 +760,8 @@ def paused_child(run, *args):
     try:
         ready = child.readline().strip()
         run.log("executor", f"child says {ready}")
-        change(run, "B", 2)
+        run.inject("B +2 between READY and GO")
+        change(run, "B", 2, inject=False)
         code, lines = finish(child, "GO\n")
     except BaseException:
         child.kill()
@@ -779,6 +797,7 @@ def lost_ack_replay(run):
     transfer_start(run)
     first = execute(run, "job-1")
     transfer_state(run, "after_first", status=first["status"])
+    run.inject("first reply discarded")
     retry = execute(run, "job-1", lane="retry")
     final = transfer_state(run, "after_retry", status=retry["status"], result=retry.get("result"))
     run.expect("statuses", (first["status"], retry["status"]), ("applied", "replayed"))
@@ -819,6 +838,7 @@ def crash_points(run):
         transfer_start(run)
         code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", boundary)
         run.log("executor", f"child ran to {boundary} and exited {code}")
+        run.inject(f"{boundary} (exit {code})")
         crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
         retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
         run.log("retry", f"new process retries job-1: {retry['status']}")
@@ -837,6 +857,7 @@ def stale_rejection_durable(run):
     change(run, "B", 2)
     code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", "after_commit")
     run.log("executor", f"child stored its stale rejection and exited {code}")
+    run.inject(f"after_commit (exit {code})")
     transfer_state(run, "after_crash", exit_code=code)
     retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
     stored = retry.get("result", {}).get("status")
@@ -868,6 +889,7 @@ def trigger_faults(run):
         finally:
             connection.close()
         run.log("parent", f"trigger on {where}: execute raised {error}")
+        run.inject(f"trigger on {where}")
         final = transfer_state(run, f"{where}_fault", error=error)
         run.expect(f"{where} raised", error is not None, True)
         run.expect(f"{where} nothing half-applied", (final["quantities"], final["revisions"], final["effects"],
@@ -896,6 +918,7 @@ def threaded(run, ops):
         thread.join()
     counts = {status: statuses.count(status) for status in sorted(set(statuses))}
     run.log("parent", f"8 threads, {len(ops)} submissions: {counts}")
+    run.inject(f"8 threads, {len(ops)} submissions")
     return counts
 
 
@@ -1041,7 +1064,7 @@ def differences(expected, observed):
             for key in sorted(set(left) | set(right)) if left.get(key, "<absent>") != right.get(key, "<absent>")]
 
 
-def summary(run):
+def summary(run, arrow="->"):
     """The figures a reader compares with the article's table."""
     stages = list(run.stages.values())
     if not stages:
@@ -1049,15 +1072,17 @@ def summary(run):
     if SCENARIOS[run.name][0] == "crash_matrix":
         if run.name.startswith("reliability/"):
             return ", ".join(f"{mode} {cell['sender_state']} {cell['tickets']}" for mode, cell in run.stages.items())
-        return ", ".join(f"{kind}: exit {cell['exit_code']}, retry {cell['retry']} {cell['outcome']}"
+        return ", ".join(f"{kind} exit {cell['exit_code']}, retry {cell['retry']} {cell['outcome']}"
                          for kind, cell in run.stages.items())
     first, last = stages[0], stages[-1]
     if "receiver_tickets" in last:
-        return (f"tickets {first['receiver_tickets']} -> {last['receiver_tickets']}, "
-                f"external {first['external_tickets']} -> {last['external_tickets']}, "
-                f"sender {last['sender_state']}, attempts {last['attempts']}")
+        counted = "external_tickets" if last["external_tickets"] or first["external_tickets"] else "receiver_tickets"
+        return (f"{'external ' if counted == 'external_tickets' else ''}tickets {first[counted]} {arrow} "
+                f"{last[counted]}, {last['sender_state']}, attempts {last['attempts']}")
     quantities = ", ".join(f"{n} = {q}" for n, q in last["quantities"].items())
     status = last.get("statuses") or last.get("status")
+    if isinstance(status, dict):
+        status = ", ".join(f"{name} {count}" for name, count in status.items())
     return f"{quantities}, effects {last['effects']}" + (f", {status}" if status else "")
 
 
@@ -1070,13 +1095,14 @@ def versions(out):
               "run many writers on it in production.", file=out)
 
 
-def marks():
-    encoding = (getattr(sys.stdout, "encoding", None) or "ascii").lower()
+def marks(stream=None):
+    """✓, ✗ and → where the terminal can show them; ASCII elsewhere (a pipe into a C locale)."""
+    encoding = (getattr(stream or sys.stdout, "encoding", None) or "ascii").lower()
     try:
-        "✓✗".encode(encoding)
-        return "✓", "✗"
+        "✓✗→".encode(encoding)
+        return "✓", "✗", "→"
     except (LookupError, UnicodeEncodeError):
-        return "ok", "FAIL"
+        return "ok", "FAIL", "->"
 
 
 def main(argv=None):
@@ -1103,16 +1129,19 @@ def main(argv=None):
         return explain(run_all([args.explain])[0])
     names = args.only or names
     versions(sys.stderr)
-    ok_mark, bad_mark = marks()
     out = sys.stderr if args.json else sys.stdout
+    ok_mark, bad_mark, arrow = marks(out)
     runs = run_all(names)
-    width = max(len(name) for name in names)
+    width = max(len(name) for name in names if SCENARIOS[name][0] != "crash_matrix") if any(
+        SCENARIOS[name][0] != "crash_matrix" for name in names) else max(len(name) for name in names)
     article = None
     for run in runs:
         if SCENARIOS[run.name][0] != article:
             article = SCENARIOS[run.name][0]
             print(HEADINGS[article], file=out)
-        print(f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {summary(run)}", file=out)
+        injected = "" if SCENARIOS[run.name][0] == "crash_matrix" else "; ".join(run.injected) or "no fault"
+        line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {summary(run, arrow)}"
+        print(line + (f"  [{injected}]" if injected else ""), file=out)
         for failure in run.failures:
             print(f"      invariant failed: {failure}", file=out)
     failed = sum(bool(run.failures) for run in runs)
@@ -1138,7 +1167,8 @@ def main(argv=None):
         for key, want, got in diffs:
             print(f"  differs: {key}: expected {json.dumps(want)}, observed {json.dumps(got)}", file=out)
         mismatched = {key.split(".")[1] for key, _, _ in diffs if "." in key}
-        print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {args.check}", file=out)
+        shown = "results.json" if args.check == RESULTS else args.check
+        print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {shown}", file=out)
         status = 1 if diffs or failed else status
     return status
 
@@ -1149,8 +1179,8 @@ def explain(run):
     width = max(len(lane) for lane, _ in run.events) if run.events else 0
     for step, (lane, text) in enumerate(run.events, 1):
         print(f"{step:3}  {lane:{width}}  {text}")
-    ok_mark, bad_mark = marks()
-    print(f"{ok_mark if not run.failures else bad_mark} {summary(run)}")
+    ok_mark, bad_mark, arrow = marks()
+    print(f"{ok_mark if not run.failures else bad_mark} {summary(run, arrow)}")
     for failure in run.failures:
         print(f"    invariant failed: {failure}")
     return 1 if run.failures else 0
