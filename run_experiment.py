@@ -214,6 +214,7 @@ class Run:
         self.root = directory  # reliability's three databases live here
         self.db = os.path.join(directory, "transfer.db")  # preconditions' database
         self.stages, self.failures, self.events, self.integrity, self.injected = {}, [], [], {}, []
+        self.mode = None  # the delivery mode of the scenario's request, for its summary
 
     def log(self, lane, text):
         self.events.append((lane, text))
@@ -378,6 +379,7 @@ def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
         status = reliability.enqueue(connection, CALLER, KEY, payload, mode=mode)
     finally:
         connection.close()
+    run.mode = mode
     run.log(lane, f"enqueue {KEY} ({mode}): {status}, intent and outbox row committed together")
     return status
 
@@ -1076,7 +1078,7 @@ def summary(run, arrow="->"):
                          for kind, cell in run.stages.items())
     first, last = stages[0], stages[-1]
     if "receiver_tickets" in last:
-        counted = "external_tickets" if last["external_tickets"] or first["external_tickets"] else "receiver_tickets"
+        counted = "external_tickets" if run.mode == "external" else "receiver_tickets"
         return (f"{'external ' if counted == 'external_tickets' else ''}tickets {first[counted]} {arrow} "
                 f"{last[counted]}, {last['sender_state']}, attempts {last['attempts']}")
     quantities = ", ".join(f"{n} = {q}" for n, q in last["quantities"].items())
@@ -1116,7 +1118,11 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
     parser.add_argument("--explain", metavar="NAME", help="run one scenario and print its timeline")
+    parser.add_argument("--exec", action="store_true",
+                        help="start every child as a fresh interpreter instead of forking (slower, same results)")
     args = parser.parse_args(argv)
+    global USE_FORK
+    USE_FORK = USE_FORK and not args.exec
     names = list(SCENARIOS)
     for name in (args.only or []) + ([args.explain] if args.explain else []):
         if name not in SCENARIOS:
