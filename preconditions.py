@@ -166,8 +166,9 @@ def _configure(connection, path, *, check_marker=True):
     except BaseException as error:
         connection.close()
         # "file is not a database" and the like do not say which file.
-        if type(error) is sqlite3.DatabaseError and not str(error).startswith(f"{path}:"):
-            raise sqlite3.DatabaseError(f"{path}: {error}") from error
+        if type(error) in (sqlite3.DatabaseError, sqlite3.OperationalError) \
+                and not str(error).startswith(f"{path}:"):
+            raise type(error)(f"{path}: {error}") from error
         raise
     return connection
 

@@ -164,9 +164,10 @@ def connect(path):
     try:
         try:
             kind = connection.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as error:
-            if "not a database" not in str(error):
-                raise
+        except sqlite3.OperationalError as error:
+            raise sqlite3.OperationalError(f"{path}: cannot read it ({error}); WAL also needs a writable "
+                                           "directory for its -wal and -shm files") from None
+        except sqlite3.DatabaseError:
             raise sqlite3.DatabaseError(f"{path}: not a SQLite database") from None
         if kind not in KINDS.values():
             raise sqlite3.DatabaseError(f"{path}: not a reliability.py database (user_version {kind})")

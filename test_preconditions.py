@@ -627,6 +627,48 @@ class CrashMatrix(unittest.TestCase):
                          {k: v for k, v in committed.items() if k.startswith("preconditions/")})
 
 
+STRACE = shutil.which("strace")
+
+
+def strace_works():
+    """strace must exist and be allowed to trace (ptrace is often forbidden in containers)."""
+    if not STRACE:
+        return False
+    probe = subprocess.run([STRACE, "-f", "-o", os.devnull, sys.executable, "-c", "pass"],
+                           capture_output=True, timeout=WATCHDOG)
+    return probe.returncode == 0
+
+
+@unittest.skipUnless(strace_works(), "needs a working strace to make fdatasync fail for real")
+class CommitFailure(Case):
+    """An error from COMMIT is an unknown outcome: strace fails the commit's fdatasync for real."""
+
+    def test_a_failed_commit_may_or_may_not_survive_and_a_retry_by_op_ends_with_one_effect(self):
+        # The first fdatasync of a fresh WAL syncs its header; the second is the commit.
+        variants = {"error survives": "error=EIO:when=2", "then SIGKILL": "error=EIO:signal=SIGKILL:when=2"}
+        dbs, children = {}, {}
+        for name, inject in variants.items():
+            dbs[name] = self.make_db(name.replace(" ", "-") + ".db")
+            children[name] = subprocess.Popen(
+                [STRACE, "-f", "-o", os.devnull, "-e", "trace=fdatasync", "-e", f"inject=fdatasync:{inject}",
+                 "-P", os.path.abspath(dbs[name]) + "-wal", *child("execute", dbs[name], "job-1", json.dumps(plan()))],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outcomes = {name: (proc.communicate(timeout=WATCHDOG), proc.returncode) for name, proc in children.items()}
+        (_, err), code = outcomes["error survives"]
+        self.assertEqual(code, 1)
+        self.assertIn("disk I/O error", err)
+        self.assertEqual(outcomes["then SIGKILL"][1], -9)
+        # The process that saw the error rolled back and closed: nothing kept.  The one
+        # killed right after the failed fdatasync left its WAL frames: recovery keeps them.
+        self.assertEqual(self.state(dbs["error survives"])["effects"], 0)
+        self.assertEqual(self.state(dbs["then SIGKILL"])["effects"], 1)
+        for name, retry in (("error survives", "applied"), ("then SIGKILL", "replayed")):
+            connection = self.open(dbs[name])
+            self.assertEqual(pre.execute(connection, "job-1", plan())["status"], retry)
+            self.assertEqual(self.state(dbs[name])["effects"], 1)
+            self.assertEqual(connection.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+
+
 class CommandLine(unittest.TestCase):
     """The script itself, started as the experiment's --exec mode starts it: isolated, no site."""
 
