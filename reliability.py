@@ -93,6 +93,10 @@ SCHEMAS = {
             BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END;
         CREATE TRIGGER resolutions_never_deleted BEFORE DELETE ON resolutions
             BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END;
+        -- INSERT OR REPLACE deletes without firing DELETE triggers: refuse a taken id too.
+        CREATE TRIGGER resolutions_never_replaced BEFORE INSERT ON resolutions
+            WHEN EXISTS (SELECT 1 FROM resolutions WHERE id = NEW.id)
+            BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END;
     """,
     RECEIVER: """
         CREATE TABLE tickets (
@@ -265,9 +269,9 @@ def check_identity(caller, key):
 
 
 def check_ticks(issued_at, now):
-    """Logical ticks are non-negative ints, and nothing is issued after it is received."""
+    """Logical ticks are non-negative ints (``issued_at`` may be None), issued no later than now."""
     for name, value in (("now", now), ("issued_at", issued_at)):
-        if value is not None and (type(value) is not int or value < 0):
+        if (value is not None or name == "now") and (type(value) is not int or value < 0):
             raise ValueError(f"{name} must be a non-negative int tick")
     if issued_at is not None and issued_at > now:
         raise ValueError(f"issued_at {issued_at} is later than now {now}")
@@ -362,7 +366,7 @@ def purge(connection, now, window):
     with transaction(connection):
         low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
         if mark < low_water:
-            raise ValueError(f"the low-water mark is {low_water}; {mark} would move it backwards")
+            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would move it backwards")
         deleted = connection.execute("DELETE FROM receipts WHERE tick < ?", (mark,)).rowcount
         connection.execute("UPDATE retention SET low_water = ?", (mark,))
     return {"deleted": deleted, "low_water": mark}
@@ -671,19 +675,30 @@ def reconcile(connection, tool, caller, key, now):
     can_act = now < (lease_until or 0) or any(_alive(pid) for pid in (owner_pid, tool_pid) if pid)
     found = lookup_external(tool, caller, key)
     if len(found) == 1 and found[0]["digest"] == digest:
-        with transaction(connection):
-            connection.execute("UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
-                               " AND state = 'unknown' AND attempts = ?", (_dumps(found[0]), caller, key, attempt))
-        return {"status": "done", "response": found[0]}
+        if _settle(connection, "UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
+                   " AND state = 'unknown' AND attempts = ?", (_dumps(found[0]), caller, key, attempt)):
+            return {"status": "done", "response": found[0]}
+        return _now_in(connection, caller, key)
     if found:
         return {"status": "unknown", "reason": f"the tool holds {len(found)} ticket(s) that do not settle it"}
     if can_act:
         return {"status": "unknown", "reason": "no ticket yet, but the unanswered attempt may still act"}
+    if _settle(connection, "UPDATE outbox SET state = 'pending', owner_pid = NULL, tool_pid = NULL"
+               " WHERE caller = ? AND key = ? AND state = 'unknown' AND attempts = ?", (caller, key, attempt)):
+        return {"status": "pending", "reason": "proven absent: retry under the same key"}
+    return _now_in(connection, caller, key)
+
+
+def _settle(connection, update, parameters):
+    # Guarded by state and attempt: a person (resolve) or another reconciler may have
+    # settled the row meanwhile, and then this changes nothing.
     with transaction(connection):
-        connection.execute("UPDATE outbox SET state = 'pending', owner_pid = NULL, tool_pid = NULL"
-                           " WHERE caller = ? AND key = ? AND state = 'unknown' AND attempts = ?",
-                           (caller, key, attempt))
-    return {"status": "pending", "reason": "proven absent: retry under the same key"}
+        return connection.execute(update, parameters).rowcount == 1
+
+
+def _now_in(connection, caller, key):
+    state = connection.execute("SELECT state FROM outbox WHERE caller = ? AND key = ?", (caller, key)).fetchone()[0]
+    return {"status": state, "reason": "settled by someone else meanwhile"}
 
 
 def _alive(pid):

@@ -7,6 +7,7 @@ unittest.mock, because a real one would have to wait for a clock.
 """
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -748,6 +749,546 @@ class ChildTimeoutTest(Case):
                 self.assert_killed_and_reaped(child)
                 self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), (state, 1))
                 self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+
+# --- leaving unknown: reconcile, resolve; receipt retention; version guard; CLI ----------
+
+def unknown_external(ws, key="k1"):
+    """A real unknown row: enqueued external at tick 0, claimed at 0 (lease until LEASE_TICKS), and
+    delivered through a child that times out, so deliver() itself marks it unknown and clears both pids."""
+    reliability.enqueue(ws.sender, "agent", key, PAYLOAD, mode="external")
+    row = reliability.claim(ws.sender, 0)
+    with mock.patch("subprocess.Popen", return_value=timed_out_child()):
+        reliability.deliver(ws.sender, ws.root, row, timeout=0.5)
+    assert outbox(ws, key=key)["state"] == "unknown", outbox(ws, key=key)
+    return row
+
+
+def set_pids(ws, owner_pid, tool_pid, key="k1"):
+    # Direct UPDATE through raw(): the precise pids a crashed sender and its tool child would leave.
+    with raw(os.path.join(ws.root, SENDER)) as tamper:
+        tamper.execute("UPDATE outbox SET owner_pid = ?, tool_pid = ? WHERE caller = 'agent' AND key = ?",
+                       (owner_pid, tool_pid, key))
+
+
+def pids(ws, key="k1"):
+    return ws.sender.execute("SELECT owner_pid, tool_pid FROM outbox WHERE caller = 'agent' AND key = ?",
+                             (key,)).fetchone()
+
+
+def set_state(ws, state, key="k1"):
+    # Direct UPDATE through raw(): a row in exactly this state, however it got there.
+    with raw(os.path.join(ws.root, SENDER)) as tamper:
+        tamper.execute("UPDATE outbox SET state = ? WHERE caller = 'agent' AND key = ?", (state, key))
+
+
+def audit(ws):
+    return ws.sender.execute("SELECT id, caller, key, attempt, decision, decided_by, reason, evidence"
+                             " FROM resolutions ORDER BY id").fetchall()
+
+
+def sender_rows(ws):
+    return rows(ws.sender, "requests"), rows(ws.sender, "outbox"), audit(ws)
+
+
+class LiveChild:
+    """A real child process (`cat`, which reads stdin to its end) that lives until end() closes its
+    stdin and reaps it."""
+
+    def __init__(self, test):
+        argv = [shutil.which("cat")] if shutil.which("cat") else [sys.executable, "-I", "-S", "-c",
+                                                                  "import sys; sys.stdin.read()"]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.pid = self.process.pid
+        test.addCleanup(self.end)
+
+    def end(self):
+        if self.process.returncode is None:
+            self.process.communicate()  # EOF on stdin: it exits, and is reaped (no zombie counts as alive)
+
+
+class RecordedAttemptTest(Case):
+    def test_enqueue_stores_a_valid_issue_tick_refuses_a_bad_one_and_claim_carries_it(self):
+        with workspace() as ws:
+            for now in (-1, True, 1.5, "3"):
+                with self.subTest(now=now), self.assertRaises(ValueError):
+                    reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=now)
+            self.assertEqual(counts(ws), EMPTY)
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=7)
+            reliability.enqueue(ws.sender, "agent", "k2", PAYLOAD)
+            self.assertEqual(ws.sender.execute("SELECT key, issued_at FROM requests ORDER BY key").fetchall(),
+                             [("k1", 7), ("k2", 0)])
+            row = reliability.claim(ws.sender, 9)
+            self.assertEqual((row["key"], row["issued_at"], row["now"]), ("k1", 7, 9))
+
+    def test_deliver_records_tool_pid_before_sending_and_clears_both_when_it_marks_unknown(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+            row = reliability.claim(ws.sender, 0)
+            child = timed_out_child()
+            seen = []
+
+            def communicate(*args, **kwargs):  # first call: what the database holds while the request is out
+                if seen:
+                    return "", None  # the reap after kill()
+                seen.append(pids(ws))
+                raise subprocess.TimeoutExpired(cmd="serve", timeout=0.5)
+            child.communicate.side_effect = communicate
+            with mock.patch("subprocess.Popen", return_value=child):
+                reliability.deliver(ws.sender, ws.root, row, timeout=0.5)
+            self.assertEqual(seen, [(os.getpid(), child.pid)])
+            self.assertEqual((outbox(ws)["state"], pids(ws)), ("unknown", (None, None)))
+
+    def test_claim_records_its_process_as_owner_and_an_idempotent_delivery_records_no_tool(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            set_pids(ws, 1, 1)  # left over: a claim must replace both
+            row = reliability.claim(ws.sender, 0)
+            self.assertEqual(pids(ws), (os.getpid(), None))
+            with mock.patch("subprocess.Popen", return_value=timed_out_child()):
+                reliability.deliver(ws.sender, ws.root, row, timeout=0.5)
+            self.assertEqual((outbox(ws)["state"], pids(ws)), ("inflight", (os.getpid(), None)))
+
+
+class ReconcileTest(Case):
+    def test_one_matching_ticket_makes_the_row_done_with_it_and_creates_none(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            ticket = reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)  # the tool did act
+            # Settled even inside the lease: the one attempt's effect is already there.
+            result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", 0)
+            self.assertEqual(result, {"status": "done", "response": ticket})
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["response"], outbox(ws)["attempts"]),
+                             ("done", ticket, 1))
+            self.assertEqual(counts(ws)["external"], 1)
+            self.assertIsNone(reliability.claim(ws.sender, 1000))  # done is never sent again
+
+    def test_no_ticket_while_the_lease_has_not_ended_stays_unknown(self):
+        with workspace() as ws:
+            unknown_external(ws)  # both pids cleared by deliver(): only the lease can still hold it
+            before = sender_rows(ws)
+            result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", LEASE_TICKS - 1)
+            self.assertEqual(result["status"], "unknown")
+            self.assertEqual(sender_rows(ws), before)
+            # The lease was the only reason: at its last tick the row goes back to pending.
+            self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", LEASE_TICKS)["status"],
+                             "pending")
+
+    def test_no_ticket_but_the_claiming_process_still_alive_stays_unknown(self):
+        # Built for real: the claim's lease ends and a second claim marks it unknown, keeping the
+        # first claimer's pid, this test process, which is still running.
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+            reliability.claim(ws.sender, 0)
+            self.assertIsNone(reliability.claim(ws.sender, LEASE_TICKS))
+            self.assertEqual((outbox(ws)["state"], pids(ws)), ("unknown", (os.getpid(), None)))
+            before = sender_rows(ws)
+            result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)
+            self.assertEqual(result["status"], "unknown")
+            self.assertEqual(sender_rows(ws), before)
+            self.assertEqual(counts(ws)["external"], 0)
+
+    def test_no_ticket_while_a_live_owner_or_tool_process_could_act_stays_unknown_until_it_is_gone(self):
+        with workspace() as ws:
+            for column in ("owner_pid", "tool_pid"):
+                unknown_external(ws, key=column)  # both before any goes back to pending (claim takes the oldest)
+            for column in ("owner_pid", "tool_pid"):
+                with self.subTest(alive=column):
+                    child = LiveChild(self)
+                    set_pids(ws, *((child.pid, None) if column == "owner_pid" else (None, child.pid)), key=column)
+                    before = sender_rows(ws)
+                    self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", column, 1000)["status"],
+                                     "unknown")
+                    self.assertEqual(sender_rows(ws), before)
+                    child.end()  # the same pid, now gone: nothing else changed
+                    self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", column, 1000)["status"],
+                                     "pending")
+
+    def test_no_ticket_lease_ended_and_processes_gone_returns_to_pending_for_a_retry_under_the_same_key(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            child = LiveChild(self)
+            child.end()
+            set_pids(ws, child.pid, child.pid)
+            result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", LEASE_TICKS)
+            self.assertEqual(result["status"], "pending")
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"], pids(ws)), ("pending", 1, (None, None)))
+            self.assertEqual(audit(ws), [])
+            retry = reliability.claim(ws.sender, LEASE_TICKS)
+            self.assertEqual((retry["key"], retry["attempt"], retry["payload"]), ("k1", 2, PAYLOAD))
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+    def test_tickets_that_do_not_settle_it_leave_the_row_unknown_even_when_nobody_can_act(self):
+        cases = {"two tickets": [PAYLOAD, PAYLOAD], "other digest": [OTHER_PAYLOAD]}
+        with workspace() as ws:
+            for label, payloads in cases.items():
+                with self.subTest(label):
+                    unknown_external(ws, key=label)  # lease ends at LEASE_TICKS, pids cleared: absence would be proof
+                    for payload in payloads:
+                        reliability.external_create_ticket(ws.external, "agent", label, payload)
+                    before = sender_rows(ws)
+                    result = reliability.reconcile(ws.sender, ws.external, "agent", label, 1000)
+                    self.assertEqual(result["status"], "unknown")
+                    self.assertEqual(sender_rows(ws), before)
+            self.assertEqual(counts(ws)["external"], 3)
+
+    def test_lookup_finds_tickets_by_reference_only_so_another_key_or_caller_is_no_evidence(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            reliability.external_create_ticket(ws.external, "agent", "k2", PAYLOAD)
+            reliability.external_create_ticket(ws.external, "other", "k1", PAYLOAD)
+            self.assertEqual(reliability.lookup_external(ws.external, "agent", "k1"), [])
+            self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)["status"], "pending")
+            first = reliability.external_create_ticket(ws.external, "agent", "k3", PAYLOAD)
+            second = reliability.external_create_ticket(ws.external, "agent", "k3", OTHER_PAYLOAD)
+            self.assertEqual(reliability.lookup_external(ws.external, "agent", "k3"), [first, second])  # oldest first
+
+    def test_a_row_that_is_not_unknown_is_returned_as_is_and_nothing_changes(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+            reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)  # would settle an unknown row
+            for state in ("pending", "inflight", "done", "blocked", "abandoned"):
+                with self.subTest(state=state):
+                    set_state(ws, state)
+                    before = sender_rows(ws)
+                    result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)
+                    self.assertEqual(result["status"], state)
+                    self.assertEqual(sender_rows(ws), before)
+            self.assertEqual(counts(ws)["external"], 1)
+
+    def test_unknown_request_or_bad_tick_raises_value_error(self):
+        with workspace() as ws:
+            with self.assertRaises(ValueError):
+                reliability.reconcile(ws.sender, ws.external, "agent", "missing", 1000)
+            unknown_external(ws)
+            before = sender_rows(ws)
+            for now in (-1, True, 1.5, "9"):
+                with self.subTest(now=now), self.assertRaises(ValueError):
+                    reliability.reconcile(ws.sender, ws.external, "agent", "k1", now)
+            self.assertEqual(sender_rows(ws), before)
+
+    def test_alive_counts_a_process_it_may_not_signal_and_only_a_missing_one_as_gone(self):
+        self.assertTrue(reliability._alive(os.getpid()))
+        self.assertFalse(reliability._alive(4194304))  # above Linux's pid_max
+        with mock.patch.object(reliability.os, "kill", side_effect=PermissionError):
+            self.assertTrue(reliability._alive(12345))  # another user's process: alive
+
+    def test_reconcile_reports_the_rows_real_state_when_a_person_decided_first(self):
+        # BUG: reconcile() reads the state outside its write transaction and ignores the UPDATE's
+        # rowcount; a resolve() landing between the read and the write leaves the row abandoned
+        # while reconcile() reports "done" (and likewise "pending" on the absent path).
+        with workspace() as ws:
+            unknown_external(ws)
+            reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)
+            lookup = reliability.lookup_external
+
+            def person_decides_first(tool, caller, key):
+                reliability.resolve(ws.sender, caller, key, "abandon", by="alice", why="closed by hand")
+                return lookup(tool, caller, key)
+            with mock.patch.object(reliability, "lookup_external", person_decides_first):
+                result = reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)
+            self.assertEqual(outbox(ws)["state"], "abandoned")
+            self.assertEqual(result["status"], outbox(ws)["state"])
+
+
+class ResolveTest(Case):
+    def evidence(self, ws):
+        reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)
+        found = reliability.lookup_external(ws.external, "agent", "k1")
+        self.assertEqual(len(found), 1)
+        return found[0]
+
+    def test_done_with_the_tools_response_stores_it_with_one_audit_row(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            evidence = self.evidence(ws)
+            result = reliability.resolve(ws.sender, "agent", "k1", "done", by="alice", why="ticket seen in the UI",
+                                         evidence=evidence)
+            self.assertEqual(result, {"status": "done", "resolution": 1})
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["response"]), ("done", evidence))
+            self.assertEqual(audit(ws), [(1, "agent", "k1", 1, "done", "alice", "ticket seen in the UI",
+                                          reliability._dumps(evidence))])
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual(counts(ws)["external"], 1)
+
+    def test_retry_returns_the_row_to_pending_for_the_same_key(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            set_pids(ws, os.getpid(), os.getpid())  # a person may decide while a process lives
+            result = reliability.resolve(ws.sender, "agent", "k1", "retry", by="bob", why="tool shows nothing")
+            self.assertEqual(result, {"status": "pending", "resolution": 1})
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["response"], pids(ws)), ("pending", None, (None, None)))
+            self.assertEqual(audit(ws), [(1, "agent", "k1", 1, "retry", "bob", "tool shows nothing", None)])
+            self.assertEqual(reliability.claim(ws.sender, 0)["attempt"], 2)
+
+    def test_abandon_parks_an_unknown_or_blocked_row_for_good(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            result = reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol", why="no longer needed")
+            self.assertEqual(result, {"status": "abandoned", "resolution": 1})
+            self.assertEqual(outbox(ws)["state"], "abandoned")
+            self.assertEqual(audit(ws), [(1, "agent", "k1", 1, "abandon", "carol", "no longer needed", None)])
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            # A blocked row is a person's to decide as well.
+            reliability.enqueue(ws.sender, "agent", "k2", PAYLOAD)
+            set_state(ws, "blocked", key="k2")
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k2", "abandon", by="dan", why="expired"),
+                             {"status": "abandoned", "resolution": 2})
+            self.assertEqual(outbox(ws, key="k2")["state"], "abandoned")
+
+    def test_invalid_decisions_are_refused_with_nothing_changed(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            evidence = self.evidence(ws)
+            refused = {
+                "done without evidence": dict(decision="done"),
+                "retry with evidence": dict(decision="retry", evidence=evidence),
+                "abandon with evidence": dict(decision="abandon", evidence=evidence),
+                "unknown decision": dict(decision="close"),
+                "decision in capitals": dict(decision="DONE", evidence=evidence),
+                "no decision": dict(decision=None),
+                "empty by": dict(decision="abandon", by=""),
+                "blank by": dict(decision="abandon", by="   "),
+                "by not a str": dict(decision="abandon", by=7),
+                "by too long": dict(decision="abandon", by="x" * 1001),
+                "empty why": dict(decision="abandon", why=""),
+                "why None": dict(decision="abandon", why=None),
+                "evidence for another key": dict(decision="done", evidence=dict(evidence, key="k2")),
+                "evidence for another caller": dict(decision="done", evidence=dict(evidence, caller="other")),
+                "evidence for another payload": dict(decision="done",
+                                                     evidence=dict(evidence, digest=reliability.canonical(OTHER_PAYLOAD)[1])),
+                "bool ticket id": dict(decision="done", evidence=dict(evidence, ticket_id=True)),
+                "evidence with an extra field": dict(decision="done", evidence=dict(evidence, status="ok")),
+            }
+            before = sender_rows(ws)
+            for label, arguments in refused.items():
+                arguments = dict({"by": "alice", "why": "because"}, **arguments)
+                with self.subTest(label), self.assertRaises(ValueError):
+                    reliability.resolve(ws.sender, "agent", "k1", arguments.pop("decision"), **arguments)
+                self.assertEqual(sender_rows(ws), before)
+                self.assertFalse(ws.sender.in_transaction)
+            with self.assertRaises(ValueError):
+                reliability.resolve(ws.sender, "agent", "missing", "abandon", by="alice", why="because")
+            self.assertEqual(sender_rows(ws), before)
+
+    def test_only_unknown_or_blocked_rows_are_resolved_by_hand(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, mode="external")
+            for state in ("pending", "inflight", "done", "abandoned"):
+                for decision in ("retry", "abandon"):
+                    with self.subTest(state=state, decision=decision):
+                        set_state(ws, state)
+                        before = sender_rows(ws)
+                        with self.assertRaises(ValueError):
+                            reliability.resolve(ws.sender, "agent", "k1", decision, by="alice", why="because")
+                        self.assertEqual(sender_rows(ws), before)
+
+    def test_the_audit_row_cannot_be_updated_or_deleted_even_through_a_raw_connection(self):
+        with workspace() as ws:
+            unknown_external(ws)
+            reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol", why="no longer needed")
+            recorded = audit(ws)
+            with raw(os.path.join(ws.root, SENDER)) as tamper:
+                for sql in ("UPDATE resolutions SET reason = 'rewritten'", "UPDATE resolutions SET decision = 'retry'",
+                            "DELETE FROM resolutions"):
+                    with self.subTest(sql), self.assertRaises(sqlite3.IntegrityError):
+                        tamper.execute(sql)
+            with self.assertRaises(sqlite3.IntegrityError):
+                ws.sender.execute("DELETE FROM resolutions")
+            self.assertEqual(audit(ws), recorded)
+
+    def test_the_audit_row_cannot_be_rewritten_by_insert_or_replace(self):
+        # BUG: REPLACE deletes the conflicting row without firing DELETE triggers (recursive_triggers
+        # is off), so the "never rewritten" triggers do not stop it.
+        with workspace() as ws:
+            unknown_external(ws)
+            reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol", why="no longer needed")
+            recorded = audit(ws)
+            with raw(os.path.join(ws.root, SENDER)) as tamper:
+                with contextlib.suppress(sqlite3.IntegrityError):
+                    tamper.execute("INSERT OR REPLACE INTO resolutions (id, caller, key, attempt, decision, decided_by,"
+                                   " reason) VALUES (1, 'agent', 'k1', 1, 'retry', 'mallory', 'rewritten')")
+            self.assertEqual(audit(ws), recorded)
+
+
+class RetentionTest(Case):
+    def receipts(self, ws):
+        return ws.receiver.execute("SELECT key, tick FROM receipts ORDER BY key").fetchall()
+
+    def low_water(self, ws):
+        return ws.receiver.execute("SELECT low_water FROM retention").fetchone()[0]
+
+    def test_purge_refuses_a_window_that_is_not_a_positive_int_and_deletes_nothing(self):
+        with workspace() as ws:
+            reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, now=10)
+            for window in (0, -1, -50, True, 1.5, "50", None):
+                with self.subTest(window=window), self.assertRaises(ValueError):
+                    reliability.purge(ws.receiver, 100, window)
+            for now in (-1, True, 1.5, "100"):
+                with self.subTest(now=now), self.assertRaises(ValueError):
+                    reliability.purge(ws.receiver, now, 50)
+            self.assertEqual((self.receipts(ws), self.low_water(ws)), ([("k1", 10)], 0))
+
+    def test_purge_deletes_exactly_the_receipts_older_than_the_window_and_sets_the_mark(self):
+        with workspace() as ws:
+            for key, tick in (("old", 49), ("edge", 50), ("new", 60)):
+                reliability.receive(ws.receiver, "agent", key, PAYLOAD, issued_at=40, now=tick)
+            self.assertEqual(self.receipts(ws), [("edge", 50), ("new", 60), ("old", 49)])  # written at `now`
+            self.assertEqual(reliability.purge(ws.receiver, 100, 50), {"deleted": 1, "low_water": 50})
+            self.assertEqual((self.receipts(ws), self.low_water(ws)), ([("edge", 50), ("new", 60)], 50))
+            self.assertEqual(counts(ws)["tickets"], 3)  # tickets are the effect: never purged
+            # The same mark again is not backwards: allowed, nothing more to delete.
+            self.assertEqual(reliability.purge(ws.receiver, 150, 100), {"deleted": 0, "low_water": 50})
+
+    def test_purge_whose_mark_would_move_backwards_is_refused_and_changes_nothing(self):
+        with workspace() as ws:
+            reliability.purge(ws.receiver, 100, 50)
+            # Planted through raw(): no API writes a receipt below the mark, so a wrongly accepted
+            # purge to mark 40 would be seen deleting it.
+            with raw(os.path.join(ws.root, RECEIVER)) as tamper:
+                tamper.execute("INSERT INTO tickets (id, caller, key, digest, payload) VALUES (1, 'agent', 'k1', 'd', '{}')")
+                tamper.execute("INSERT INTO receipts VALUES ('agent', 'k1', 'd', 1, '{}', 30)")
+            for now, window in ((100, 60), (49, 1), (10, 50)):
+                with self.subTest(now=now, window=window), self.assertRaises(ValueError):
+                    reliability.purge(ws.receiver, now, window)
+            self.assertEqual((self.receipts(ws), self.low_water(ws)), ([("k1", 30)], 50))
+            self.assertFalse(ws.receiver.in_transaction)
+
+    def test_a_late_request_issued_before_the_mark_without_receipt_is_expired_and_stores_nothing(self):
+        with workspace() as ws:
+            reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=0, now=0)
+            reliability.purge(ws.receiver, 100, 50)
+            before = rows(ws.receiver, "tickets"), rows(ws.receiver, "receipts")
+            for issued_at in (0, 49):
+                with self.subTest(issued_at=issued_at), self.assertRaises(reliability.Expired):
+                    reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=issued_at, now=100)
+            with self.assertRaises(reliability.Expired):  # a first arrival issued before the mark, too
+                reliability.receive(ws.receiver, "agent", "k2", PAYLOAD, issued_at=49, now=100)
+            self.assertEqual((rows(ws.receiver, "tickets"), rows(ws.receiver, "receipts")), before)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1))
+
+    def test_a_request_issued_at_or_after_the_mark_without_receipt_gets_a_new_ticket(self):
+        with workspace() as ws:
+            reliability.purge(ws.receiver, 100, 50)
+            response = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=50, now=100)
+            self.assertEqual(response["ticket_id"], 1)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=50, now=101), response)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1, receipts=1))
+
+    def test_a_request_without_issue_tick_is_expired_once_a_purge_has_run(self):
+        with workspace() as ws:
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k0", PAYLOAD)["ticket_id"], 1)  # no purge yet
+            reliability.purge(ws.receiver, 100, 50)
+            with self.assertRaises(reliability.Expired):
+                reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, now=100)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1))
+
+    def test_a_surviving_receipt_still_replays_for_a_request_issued_before_the_mark(self):
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=40, now=60)
+            reliability.purge(ws.receiver, 100, 50)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=40, now=100), first)
+            self.assertEqual(reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, now=100), first)
+            with self.assertRaises(Conflict):  # and still tells another intent apart
+                reliability.receive(ws.receiver, "agent", "k1", OTHER_PAYLOAD, issued_at=40, now=100)
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=1, receipts=1))
+
+    def test_bad_ticks_raise_value_error_before_anything_is_stored(self):
+        with workspace() as ws:
+            reliability.purge(ws.receiver, 100, 50)
+            reliability.receive(ws.receiver, "agent", "kept", PAYLOAD, issued_at=60, now=60)
+            before = rows(ws.receiver, "tickets"), rows(ws.receiver, "receipts")
+            bad = {"issued after now": (61, 60), "negative issued_at": (-1, 60), "negative now": (None, -1),
+                   "bool issued_at": (True, 60), "bool now": (None, True), "float issued_at": (1.0, 60),
+                   "str now": (None, "60")}
+            for label, (issued_at, now) in bad.items():
+                for key in ("kept", "new"):  # neither replayed nor refused as expired first
+                    with self.subTest(label, key=key), self.assertRaises(ValueError):
+                        reliability.receive(ws.receiver, "agent", key, PAYLOAD, issued_at=issued_at, now=now)
+            self.assertEqual((rows(ws.receiver, "tickets"), rows(ws.receiver, "receipts")), before)
+            for issued_at, now in ((None, 0), (0, 0), (5, 5), (4, 5)):
+                self.assertIsNone(reliability.check_ticks(issued_at, now))
+
+    def test_a_missing_now_tick_raises_value_error_before_any_transaction(self):
+        # BUG: check_ticks() skips None for `now` as well as for `issued_at`, so now=None reaches
+        # arithmetic (TypeError) or a NOT NULL column (sqlite3.IntegrityError, rolled back).
+        with workspace() as ws:
+            unknown_external(ws, key="u1")
+            before = counts(ws), sender_rows(ws), self.low_water(ws)
+            calls = {"check_ticks": lambda: reliability.check_ticks(None, None),
+                     "enqueue": lambda: reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=None),
+                     "receive": lambda: reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, now=None),
+                     "receive issued_at=0": lambda: reliability.receive(ws.receiver, "agent", "k1", PAYLOAD,
+                                                                        issued_at=0, now=None),
+                     "purge": lambda: reliability.purge(ws.receiver, None, 50),
+                     "reconcile": lambda: reliability.reconcile(ws.sender, ws.external, "agent", "u1", None)}
+            for label, call in calls.items():
+                with self.subTest(label), self.assertRaises(ValueError):
+                    call()
+            self.assertEqual((counts(ws), sender_rows(ws), self.low_water(ws)), before)
+
+    def test_without_the_policy_deleting_receipts_lets_a_late_replay_create_a_second_ticket(self):
+        with workspace() as ws:
+            first = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=0, now=0)
+            self.assertEqual(reliability.unsafe_delete_receipts(ws.receiver, 50), 1)
+            late = reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, issued_at=0, now=100)
+            self.assertNotEqual(late["ticket_id"], first["ticket_id"])
+            self.assertEqual(counts(ws), dict(EMPTY, tickets=2, receipts=1))
+
+    def test_dispatch_refused_as_expired_blocks_the_row_and_creates_no_ticket(self):
+        # Real child through the default launcher.
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=0)
+            reliability.purge(ws.receiver, 100, 50)
+            result = reliability.dispatch(ws.sender, ws.root, 100)
+            self.assertEqual((result["exit_code"], result["acknowledged"]), (0, False))
+            row = outbox(ws)
+            self.assertEqual((row["state"], row["attempts"], row["response"]["error"]), ("blocked", 1, "expired"))
+            self.assertEqual(set(row["response"]), {"error", "message"})
+            self.assertEqual(result["response"], row["response"])
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+
+class VersionGuardTest(unittest.TestCase):
+    def test_wal_reset_bug_knows_the_affected_ranges_and_backports(self):
+        expected = {(3, 6, 23): False, (3, 7, 0): True, (3, 40, 1): True, (3, 44, 5): True, (3, 44, 6): False,
+                    (3, 44, 9): False, (3, 45, 0): True, (3, 50, 6): True, (3, 50, 7): False, (3, 51, 0): True,
+                    (3, 51, 2): True, (3, 51, 3): False, (3, 52, 0): False}
+        for version, affected in expected.items():
+            with self.subTest(version=version):
+                self.assertIs(reliability.wal_reset_bug(version), affected)
+
+    def test_wal_reset_bug_defaults_to_the_linked_sqlite(self):
+        self.assertIs(reliability.wal_reset_bug(), reliability.wal_reset_bug(sqlite3.sqlite_version_info))
+        for version, affected in (((3, 40, 1), True), ((3, 44, 6), False)):
+            with self.subTest(version=version), mock.patch.object(sqlite3, "sqlite_version_info", version):
+                self.assertIs(reliability.wal_reset_bug(), affected)
+
+
+class RecoveryCliTest(Case):
+    def run_main(self, *argv):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = reliability.main(list(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def test_purge_and_resolve_print_one_json_line_and_a_refusal_exits_1(self):
+        with workspace() as ws:
+            for key, tick in (("old", 10), ("new", 60)):
+                reliability.receive(ws.receiver, "agent", key, PAYLOAD, now=tick)
+            unknown_external(ws)
+            self.assertEqual(self.run_main("purge", ws.root, "--now", "100", "--window", "50"),
+                             (0, '{"deleted":1,"low_water":50}\n', ""))
+            self.assertEqual(ws.receiver.execute("SELECT key FROM receipts").fetchall(), [("new",)])
+            self.assertEqual(self.run_main("resolve", ws.root, "agent", "k1", "abandon", "--by", "x", "--why", "y"),
+                             (0, '{"resolution":1,"status":"abandoned"}\n', ""))
+            self.assertEqual((outbox(ws)["state"], audit(ws)[0][4:7]), ("abandoned", ("abandon", "x", "y")))
+            code, out, err = self.run_main("resolve", ws.root, "agent", "k1", "retry", "--by", "x", "--why", "y")
+            self.assertEqual((code, out), (1, ""))
+            self.assertEqual(len(err.splitlines()), 1)
+            self.assertTrue(err.startswith("reliability.py resolve: "), err)
+            self.assertEqual((outbox(ws)["state"], len(audit(ws))), ("abandoned", 1))
 
 
 # --- experiment scenarios (added by the driver's author) ---
