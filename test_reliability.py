@@ -974,9 +974,8 @@ class ReconcileTest(Case):
             self.assertTrue(reliability._alive(12345))  # another user's process: alive
 
     def test_reconcile_reports_the_rows_real_state_when_a_person_decided_first(self):
-        # BUG: reconcile() reads the state outside its write transaction and ignores the UPDATE's
-        # rowcount; a resolve() landing between the read and the write leaves the row abandoned
-        # while reconcile() reports "done" (and likewise "pending" on the absent path).
+        # reconcile() reads the state before its write transaction: a resolve() landing between
+        # the read and the guarded UPDATE must win, and reconcile() must report that state.
         with workspace() as ws:
             unknown_external(ws)
             reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)
@@ -1098,14 +1097,14 @@ class ResolveTest(Case):
             self.assertEqual(audit(ws), recorded)
 
     def test_the_audit_row_cannot_be_rewritten_by_insert_or_replace(self):
-        # BUG: REPLACE deletes the conflicting row without firing DELETE triggers (recursive_triggers
+        # REPLACE deletes the conflicting row without firing DELETE triggers (recursive_triggers
         # is off), so the "never rewritten" triggers do not stop it.
         with workspace() as ws:
             unknown_external(ws)
             reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol", why="no longer needed")
             recorded = audit(ws)
             with raw(os.path.join(ws.root, SENDER)) as tamper:
-                with contextlib.suppress(sqlite3.IntegrityError):
+                with self.assertRaises(sqlite3.IntegrityError):
                     tamper.execute("INSERT OR REPLACE INTO resolutions (id, caller, key, attempt, decision, decided_by,"
                                    " reason) VALUES (1, 'agent', 'k1', 1, 'retry', 'mallory', 'rewritten')")
             self.assertEqual(audit(ws), recorded)
@@ -1210,8 +1209,8 @@ class RetentionTest(Case):
                 self.assertIsNone(reliability.check_ticks(issued_at, now))
 
     def test_a_missing_now_tick_raises_value_error_before_any_transaction(self):
-        # BUG: check_ticks() skips None for `now` as well as for `issued_at`, so now=None reaches
-        # arithmetic (TypeError) or a NOT NULL column (sqlite3.IntegrityError, rolled back).
+        # Only issued_at may be None: a missing now must be refused before it reaches arithmetic
+        # or a NOT NULL column.
         with workspace() as ws:
             unknown_external(ws, key="u1")
             before = counts(ws), sender_rows(ws), self.low_water(ws)
