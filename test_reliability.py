@@ -1098,7 +1098,7 @@ class ResolveTest(Case):
 
     def test_the_audit_row_cannot_be_rewritten_by_insert_or_replace(self):
         # REPLACE deletes the conflicting row without firing DELETE triggers (recursive_triggers
-        # is off), so the "never rewritten" triggers do not stop it.
+        # is off), so only the BEFORE INSERT trigger on a taken id stops it.
         with workspace() as ws:
             unknown_external(ws)
             reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol", why="no longer needed")
