@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -1464,6 +1465,22 @@ class CrashMatrixTest(unittest.TestCase):
         observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
         self.assertEqual({k: v for k, v in observed.items() if k.startswith("reliability/")},
                          {k: v for k, v in committed.items() if k.startswith("reliability/")})
+
+
+class ReadmeTest(unittest.TestCase):
+    def test_readme_tables_name_exactly_the_drivers_scenarios_with_the_figures_it_reproduces(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            chinese, english = handle.read().split('<a id="english"></a>')
+        runs = _RUNS()
+        for part in (chinese, english):
+            rows = [line.split("|") for line in part.splitlines() if line.startswith("| `")]
+            # A scenario row starts with a bare lower-case name (functions have parentheses, files dots).
+            tabled = {cells[1].strip().strip("`"): cells for cells in rows
+                      if re.fullmatch(r"`[a-z][a-z0-9_]*(/[a-z_]+)?`", cells[1].strip())}
+            self.assertEqual(set(tabled), set(run_experiment.SCENARIOS))
+            for name, cells in tabled.items():  # the figures are what the driver prints for it today
+                with self.subTest(name):
+                    self.assertIn(run_experiment.summary(runs[name], "→"), [cell.strip() for cell in cells])
 
 
 class ChildStartTest(unittest.TestCase):
