@@ -7,6 +7,8 @@
   python3 run_experiment.py --explain NAME   one scenario as a timeline of what each process did
   python3 run_experiment.py --json           the deterministic results on stdout
   python3 run_experiment.py --output FILE    the deterministic results written to FILE
+  python3 run_experiment.py --torture SECONDS [--seed N]
+                                             kill -9 random workers, then check every invariant
 
 Every scenario starts in a fresh temporary directory.  Crashes are real: a child
 process calls os._exit at a named boundary, and what survives is read back from
@@ -61,7 +63,6 @@ def scenario(article, description):
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
 USE_FORK = hasattr(os, "fork")
 JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
-_PARENT_ENDS = set()  # pipe ends this process holds for its live forked children
 
 
 class ForkedChild:
@@ -75,7 +76,6 @@ class ForkedChild:
         fd = getattr(self, name)
         if fd is not None:
             os.close(fd)
-            _PARENT_ENDS.discard(fd)
             setattr(self, name, None)
 
     def _read(self, deadline):
@@ -122,7 +122,7 @@ class ForkedChild:
         return self.returncode
 
 
-def fork_start(module, argv):
+def fork_start(module, argv, keep=()):
     """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
 
     Call it only while this process holds no SQLite connection to a file the child
@@ -138,9 +138,13 @@ def fork_start(module, argv):
         try:
             os.dup2(stdin_r, 0)
             os.dup2(stdout_w, 1)
-            for fd in (stdin_r, stdin_w, stdout_r, stdout_w, *_PARENT_ENDS):
-                os.close(fd)
-            _PARENT_ENDS.clear()  # those numbers may be reused by files the child opens
+            # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
+            # children (their EOF would wait for this one), nor a writer queue a dead parent held.
+            low = 3
+            for fd in sorted(keep):
+                os.closerange(low, fd)
+                low = fd + 1
+            os.closerange(low, os.sysconf("SC_OPEN_MAX"))
             # A sender child that calls a tool forks that tool child the same way.
             reliability.start_child = start_tool
             sys.stdin = open(0, encoding="utf-8", closefd=False)
@@ -152,7 +156,6 @@ def fork_start(module, argv):
             os._exit(code)
     os.close(stdin_r)
     os.close(stdout_w)
-    _PARENT_ENDS.update((stdin_w, stdout_r))
     return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
 
 
@@ -1037,6 +1040,305 @@ for _boundary in preconditions.BOUNDARIES:
         _matrix_scenario(transfer_cell, _boundary, _kinds))
 
 
+# --- torture: kill -9 at random moments ---------------------------------------------------
+# Forked workers do random mixed work on both modules in one directory while this
+# single-threaded process SIGKILLs one of them at random moments and restarts it on the
+# operation it was doing, with the same keys.  Then every invariant is checked from the
+# databases alone.  Timing makes every run different, so none of it goes into results.json.
+TORTURE_WORKERS = 4
+TORTURE_KILL_PAUSE = 0.1  # seconds: the killer waits uniformly up to this before each kill
+TORTURE_TICKS = 100       # logical ticks a second, so a lease (LEASE_TICKS) lasts 0.1 s
+TORTURE_GRACE = 5.0       # seconds after the deadline for workers and their tool children to end
+TORTURE_DB = "transfer.db"
+TORTURE_RESOURCES = {"A": 10 ** 9, "B": 10 ** 9, "C": 10 ** 9, "D": 10 ** 9}
+TORTURE_WORK = {"enqueue": 3, "dispatch": 5, "receive": 1, "execute_fresh": 2, "execute_stale": 1, "change": 1}
+TORTURE_SHOWN = 20        # violations printed; the summary keeps them all
+
+
+def _torture_op(seed, index, n):
+    """Operation n of a worker: the same kind and parameters however often it is redone."""
+    rng = random.Random(f"{seed}/{index}/{n}")
+    return rng.choices(list(TORTURE_WORK), list(TORTURE_WORK.values()))[0], rng
+
+
+def _torture_file(base, index, name):
+    return os.path.join(base, f"worker-{index}.{name}")
+
+
+def _torture_lines(path, repair=False):
+    """The complete JSON lines of a worker's file; a last line torn by SIGKILL is dropped."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        return []
+    complete = data[:data.rfind(b"\n") + 1]
+    if repair and len(complete) < len(data):
+        os.truncate(path, len(complete))  # or the next line would be glued to the torn one
+    return [json.loads(line) for line in complete.splitlines()]
+
+
+def _torture_note(fd, entry):
+    # One write() per line and no fsync: SIGKILL loses nothing the kernel already has.
+    os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def _torture_tool(alive):
+    # Forked even under --exec: a forked tool child keeps the liveness pipe (see torture()).
+    return lambda argv: fork_start(reliability, argv, keep=(alive,))
+
+
+def _torture_worker(base, index, seed, started, deadline, alive):
+    """One life of a worker: redo the journal's last operation with its keys (and plan), then go on.
+
+    The journal line is written before the operation, so a restart cannot tell whether it
+    finished and does it again; the protocols must make that harmless.  change() has no op
+    id, so a change redone after a kill may count twice, which no invariant here can see.
+    """
+    entries = _torture_lines(_torture_file(base, index, "journal"), repair=True)
+    _torture_lines(_torture_file(base, index, "reported"), repair=True)
+    n, plan, resuming = (entries[-1]["n"], entries[-1].get("plan"), True) if entries else (0, None, False)
+    journal, reported = (os.open(_torture_file(base, index, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                         for name in ("journal", "reported"))
+    sender = reliability.connect(os.path.join(base, reliability.SENDER))
+    transfer = preconditions.connect(os.path.join(base, TORTURE_DB))
+    caller = f"worker-{index}"
+    while resuming or time.monotonic() < deadline:
+        kind, rng = _torture_op(seed, index, n)
+        now = int((time.monotonic() - started) * TORTURE_TICKS)  # one clock for all the processes
+        if not resuming:
+            _torture_note(journal, {"n": n, "kind": kind})
+        if kind == "enqueue":
+            reliability.enqueue(sender, caller, f"op-{n}", {"worker": index, "op": n}, now=now)
+        elif kind == "dispatch":
+            result = reliability.dispatch(sender, base, now, start=_torture_tool(alive))
+            if result and "ticket_id" in (result["response"] or {}):  # a refusal leaves the row blocked
+                _torture_note(reported, result["response"])
+        elif kind == "receive":
+            # Often an earlier enqueue's key: a second delivery racing the outbox's own.
+            m = rng.randrange(n + 1)
+            m = m if _torture_op(seed, index, m)[0] == "enqueue" else n
+            receiver = reliability.connect(os.path.join(base, reliability.RECEIVER))
+            response = reliability.receive(receiver, caller, f"op-{m}", {"worker": index, "op": m}, now=now)
+            receiver.close()  # before a dispatch forks a tool child that opens this file
+            _torture_note(reported, response)
+        elif kind == "change":
+            name, delta = rng.choice(sorted(TORTURE_RESOURCES)), rng.choice((-1, 1)) * rng.randint(1, 9)
+            preconditions.change(transfer, name, delta)
+        else:
+            if plan is None:  # journaled before it runs: a retry must send the same command
+                src, dst = rng.sample(sorted(TORTURE_RESOURCES), 2)
+                seen = dict(transfer.execute("SELECT name, revision FROM resources WHERE name IN (?, ?)",
+                                             (src, dst)).fetchall())
+                if kind == "execute_stale":  # a revision src had, or one it never reaches: never current
+                    seen[src] = seen[src] - 1 if seen[src] > 1 else preconditions.MAX_INT64
+                plan = {"src": src, "dst": dst, "amount": rng.randint(1, 99), "expected": seen}
+                _torture_note(journal, {"n": n, "kind": kind, "plan": plan})
+            op = f"{caller}/op-{n}"
+            _torture_note(reported, {"op": op, "kind": kind,
+                                     "result": preconditions.execute(transfer, op, plan, now=now)})
+        n, plan, resuming = n + 1, None, False
+    sender.close()  # after an exception the process just ends, as it would under SIGKILL
+    transfer.close()
+    return 0
+
+
+def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write):
+    sys.stdout.flush()  # or the worker, which flushes before each fork, would print it again
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the worker keeps the liveness pipe's write end, and so do its tool children
+        code = 1
+        try:
+            os.close(alive_read)
+            random.seed()  # siblings must not share the back-off sequence
+            code = _torture_worker(base, index, seed, started, deadline, alive_write)
+        except BaseException as error:
+            with open(_torture_file(base, index, "error"), "w", encoding="utf-8") as handle:
+                handle.write(f"{type(error).__name__}: {error}")
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _torture_reap(base, index, pid, violations):
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code not in (0, -signal.SIGKILL):
+        reason = "no error recorded"
+        if os.path.exists(_torture_file(base, index, "error")):
+            with open(_torture_file(base, index, "error"), encoding="utf-8") as handle:
+                reason = handle.read()
+        violations.append(f"worker {index} exited {code}: {reason}")
+    return code
+
+
+def torture(seconds, seed=None, directory=None):
+    """SIGKILL workers at random for ``seconds``, restart them, recover, then check every invariant.
+
+    Returns {"seconds", "seed", "workers", "sqlite", "elapsed", "operations" (by kind, each
+    counted once however often it was redone), "kills", "restarts", "final" (counts read
+    from the databases), "violations"}: one string per broken invariant, empty when all
+    hold.  The keys never depend on the run; the seed fixes the work and the kill times,
+    not the interleaving.  Its files live in a temporary folder under ``directory``.
+    """
+    seed = random.SystemRandom().randrange(2 ** 32) if seed is None else seed
+    rng, violations, pids, kills, restarts = random.Random(seed), [], {}, 0, 0
+    base, began = tempfile.mkdtemp(prefix="torture-", dir=directory), time.monotonic()
+    alive_read, alive_write = os.pipe()
+    try:
+        reliability.init(base)
+        preconditions.init(os.path.join(base, TORTURE_DB), TORTURE_RESOURCES)
+        started = time.monotonic()
+        spawn = lambda index: _torture_spawn(base, index, seed, started, started + seconds, alive_read, alive_write)
+        for index in range(TORTURE_WORKERS):
+            pids[index] = spawn(index)
+        while True:
+            pause, index = rng.uniform(0, TORTURE_KILL_PAUSE), rng.randrange(TORTURE_WORKERS)
+            if time.monotonic() + pause >= started + seconds:
+                break
+            time.sleep(pause)
+            if index in pids:
+                os.kill(pids[index], signal.SIGKILL)
+                if _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
+                    kills += 1
+                    pids[index], restarts = spawn(index), restarts + 1
+        os.close(alive_write)
+        alive_write = None
+        # Every worker and every tool child it forked holds the write end: EOF means all have ended.
+        if not select.select([alive_read], [], [], TORTURE_GRACE)[0]:
+            violations.append(f"processes still running {TORTURE_GRACE:g} s after the deadline; killed")
+            for pid in pids.values():
+                os.kill(pid, signal.SIGKILL)
+            select.select([alive_read], [], [], reliability.CHILD_TIMEOUT)
+        for index in sorted(pids):
+            _torture_reap(base, index, pids.pop(index), violations)
+        # Recovery, as after a machine restart: every lease has ended, every unfinished row is due.
+        sender = reliability.connect(os.path.join(base, reliability.SENDER))
+        try:
+            now = int((time.monotonic() - started) * TORTURE_TICKS) + reliability.LEASE_TICKS
+            while reliability.dispatch(sender, base, now, start=start_tool) is not None:
+                pass
+        finally:
+            sender.close()
+        final = _torture_check(base, violations)
+        operations = dict.fromkeys(TORTURE_WORK, 0)
+        for index in range(TORTURE_WORKERS):
+            for kind in {entry["n"]: entry["kind"] for entry in
+                         _torture_lines(_torture_file(base, index, "journal"))}.values():
+                operations[kind] += 1
+    finally:
+        for pid in pids.values():  # only after an error above: nothing may outlive the call
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for fd in (alive_read, alive_write):
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(base, ignore_errors=True)
+    return {"seconds": seconds, "seed": seed, "workers": TORTURE_WORKERS, "sqlite": sqlite3.sqlite_version,
+            "elapsed": round(time.monotonic() - began, 2), "operations": operations,
+            "kills": kills, "restarts": restarts, "final": final, "violations": violations}
+
+
+def _torture_check(base, violations):
+    """Check every invariant from fresh connections, all writers gone; return the final counts."""
+    opened = {name: reliability.connect(os.path.join(base, name)) for name in reliability.KINDS}
+    opened[TORTURE_DB] = preconditions.connect(os.path.join(base, TORTURE_DB))
+    read = lambda name, sql: opened[name].execute(sql).fetchall()
+    try:
+        for name in opened:
+            health = read(name, "PRAGMA integrity_check") + read(name, "PRAGMA foreign_key_check")
+            if health != [("ok",)]:
+                violations.append(f"integrity of {name}: {health}")
+        tickets = read(reliability.RECEIVER, "SELECT id, caller, key FROM tickets")
+        receipts = read(reliability.RECEIVER, "SELECT caller, key, ticket_id FROM receipts")
+        outbox = read(reliability.SENDER, "SELECT caller, key, state, response FROM outbox")
+        requests = read(reliability.SENDER, "SELECT count(*) FROM requests")[0][0]
+        stored = {op: json.loads(result) for op, result in read(TORTURE_DB, "SELECT op, result FROM receipts")}
+        effects = read(TORTURE_DB, "SELECT op, src, dst, amount FROM effects")
+        changes = read(TORTURE_DB, "SELECT name, delta FROM changes")
+        resources = read(TORTURE_DB, "SELECT name, quantity, revision FROM resources ORDER BY name")
+    finally:
+        for connection in opened.values():
+            connection.close()
+    receipts, by_key = {(caller, key): ticket for caller, key, ticket in receipts}, {}
+    for ticket, caller, key in tickets:
+        by_key.setdefault((caller, key), []).append(ticket)
+    for (caller, key), ids in by_key.items():  # idempotent mode: one ticket per key, named by its receipt
+        if len(ids) > 1 or receipts.get((caller, key)) != ids[0]:
+            violations.append(f"{caller}/{key} has tickets {ids}, its receipt names "
+                              f"{receipts.get((caller, key))}")
+    states = dict.fromkeys(reliability.STATES, 0)
+    for caller, key, state, response in outbox:
+        states[state] += 1
+        ticket = json.loads(response)["ticket_id"] if state == "done" else None
+        if ticket is None or receipts.get((caller, key)) != ticket:
+            violations.append(f"outbox {caller}/{key} ends {state} with ticket {ticket}, "
+                              f"its receipt names {receipts.get((caller, key))}")
+    if requests != len(outbox):
+        violations.append(f"{requests} requests but {len(outbox)} outbox rows")
+    ticket_keys = {ticket: (caller, key) for ticket, caller, key in tickets}
+    reported = [entry for index in range(TORTURE_WORKERS)
+                for entry in _torture_lines(_torture_file(base, index, "reported"))]
+    for entry in reported:
+        if "op" not in entry:
+            identity, ticket = (entry["caller"], entry["key"]), entry["ticket_id"]
+            if ticket_keys.get(ticket) != identity or receipts.get(identity) != ticket:
+                violations.append(f"reported {'/'.join(identity)} ticket {ticket}: that ticket is "
+                                  f"{ticket_keys.get(ticket)}, the receipt names {receipts.get(identity)}")
+            continue
+        result = entry["result"]["result"] if entry["result"]["status"] == "replayed" else entry["result"]
+        if stored.get(entry["op"]) != result:
+            violations.append(f"reported {entry['op']} {result['status']}, stored {stored.get(entry['op'])}")
+        elif entry["kind"] == "execute_stale" and result["status"] != "stale":
+            violations.append(f"stale plan {entry['op']} was {result['status']}")
+    applied = {op for op, result in stored.items() if result["status"] == "applied"}
+    for op in sorted(applied ^ {op for op, _, _, _ in effects}):
+        violations.append(f"{op}: " + ("applied receipt, no effect" if op in applied else "effect, no receipt"))
+    for name, quantity, revision in resources:
+        writes = sum(name in (src, dst) for _, src, dst, _ in effects) + sum(n == name for n, _ in changes)
+        flow = sum(amount * ((dst == name) - (src == name)) for _, src, dst, amount in effects)
+        flow += sum(delta for n, delta in changes if n == name)
+        if revision != 1 + writes:
+            violations.append(f"revision of {name} is {revision}, not 1 + {writes} writes")
+        if quantity != TORTURE_RESOURCES[name] + flow:
+            violations.append(f"quantity of {name} is {quantity}, not {TORTURE_RESOURCES[name]} {flow:+d}")
+    total = sum(quantity for _, quantity, _ in resources)
+    expected = sum(TORTURE_RESOURCES.values()) + sum(delta for _, delta in changes)
+    if total != expected:
+        violations.append(f"total quantity {total} is not the initial total + sum(changes.delta) = {expected}")
+    statuses = dict.fromkeys(("applied", "stale", "insufficient", "missing_resource", "overflow"), 0)
+    for result in stored.values():
+        statuses[result["status"]] = statuses.get(result["status"], 0) + 1
+    return {"requests": requests, "outbox": states, "tickets": len(tickets), "receipts": len(receipts),
+            "reported_responses": sum("op" not in entry for entry in reported), "transfer_receipts": statuses,
+            "effects": len(effects), "changes": len(changes), "total_quantity": total,
+            "reported_outcomes": sum("op" in entry for entry in reported)}
+
+
+def print_torture(summary):
+    """A short human summary, then the verdict."""
+    ok_mark, bad_mark = marks()[:2]
+    final, violations = summary["final"], summary["violations"]
+    listed = lambda counts: ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+    print(f"torture: {summary['workers']} workers, {summary['seconds']:g} s, seed {summary['seed']}, "
+          f"SQLite {summary['sqlite']}: {summary['kills']} kill -9 survived, {summary['restarts']} restarts")
+    print(f"  operations: {listed(summary['operations'])}")
+    print(f"  reliability: {final['requests']} requests, outbox {listed(final['outbox'])}; "
+          f"{final['tickets']} tickets, {final['receipts']} receipts; "
+          f"{final['reported_responses']} reported responses checked")
+    print(f"  preconditions: receipts {listed(final['transfer_receipts'])}; {final['effects']} effects, "
+          f"{final['changes']} changes, total {final['total_quantity']}; "
+          f"{final['reported_outcomes']} reported outcomes checked")
+    if not violations:
+        print(f"{ok_mark} every invariant holds ({summary['elapsed']:g} s in all)")
+        return
+    print(f"{bad_mark} {len(violations)} violation(s):")
+    for violation in violations[:TORTURE_SHOWN]:
+        print(f"    {violation}")
+    if len(violations) > TORTURE_SHOWN:
+        print(f"    ... and {len(violations) - TORTURE_SHOWN} more")
+
+
 # --- results, comparison and the command line ------------------------------------------
 
 def results_of(runs):
@@ -1120,9 +1422,25 @@ def main(argv=None):
     parser.add_argument("--explain", metavar="NAME", help="run one scenario and print its timeline")
     parser.add_argument("--exec", action="store_true",
                         help="start every child as a fresh interpreter instead of forking (slower, same results)")
+    parser.add_argument("--torture", type=float, metavar="SECONDS",
+                        help="kill -9 random workers for SECONDS, then check every invariant (never in results.json)")
+    parser.add_argument("--seed", type=int, metavar="N", help="with --torture: fixes the work and the kill times")
     args = parser.parse_args(argv)
     global USE_FORK
     USE_FORK = USE_FORK and not args.exec
+    if args.torture is None and args.seed is not None:
+        parser.error("--seed goes with --torture")
+    if args.torture is not None:
+        if any((args.check, args.output, args.json, args.list, args.only, args.explain, args.exec)):
+            parser.error("--torture runs alone (with --seed at most)")
+        if not 0 < args.torture < float("inf"):
+            parser.error("--torture needs a positive number of seconds")
+        if not hasattr(os, "fork"):
+            parser.error("--torture forks its workers: it needs os.fork (POSIX)")
+        versions(sys.stderr)
+        report = torture(args.torture, args.seed)
+        print_torture(report)
+        return 1 if report["violations"] else 0
     names = list(SCENARIOS)
     for name in (args.only or []) + ([args.explain] if args.explain else []):
         if name not in SCENARIOS:

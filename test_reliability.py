@@ -1467,6 +1467,24 @@ class CrashMatrixTest(unittest.TestCase):
                          {k: v for k, v in committed.items() if k.startswith("reliability/")})
 
 
+class TortureTest(unittest.TestCase):
+    @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
+    def test_short_seeded_torture_run_survives_kills_with_no_violation(self):
+        # Real SIGKILLs at random moments; the run's files live in a folder we inspect afterwards.
+        with tempfile.TemporaryDirectory() as scratch:
+            summary = run_experiment.torture(0.6, seed=7, directory=scratch)
+            self.assertEqual(os.listdir(scratch), [])
+        with self.assertRaises(ChildProcessError):  # every worker was reaped: no child is left
+            os.waitpid(-1, os.WNOHANG)
+        self.assertEqual(summary["violations"], [])
+        self.assertGreaterEqual(summary["kills"], 1)
+        self.assertEqual(summary["restarts"], summary["kills"])
+        self.assertEqual(set(summary["operations"]), set(run_experiment.TORTURE_WORK))
+        for kind, count in summary["operations"].items():
+            with self.subTest(kind=kind):
+                self.assertGreater(count, 0)
+
+
 class ReadmeTest(unittest.TestCase):
     def test_readme_tables_name_exactly_the_drivers_scenarios_with_the_figures_it_reproduces(self):
         with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
