@@ -1467,6 +1467,58 @@ class CrashMatrixTest(unittest.TestCase):
                          {k: v for k, v in committed.items() if k.startswith("reliability/")})
 
 
+STRACE = shutil.which("strace")
+
+
+def strace_works():
+    """strace must exist and be allowed to trace (ptrace is often forbidden in containers)."""
+    if not STRACE:
+        return False
+    probe = subprocess.run([STRACE, "-f", "-o", os.devnull, sys.executable, "-c", "pass"], capture_output=True)
+    return probe.returncode == 0
+
+
+@unittest.skipUnless(strace_works(), "needs a working strace to make fdatasync fail for real")
+class CommitFailureTest(Case):
+    """An error from COMMIT is an unknown outcome: strace fails the commit's fdatasync for real."""
+
+    def test_a_failed_commit_may_or_may_not_survive_and_a_replay_by_key_ends_with_one_ticket(self):
+        # The first fdatasync of a fresh WAL syncs its header; the second is the commit.
+        variants = {"error survives": "error=EIO:when=2", "then SIGKILL": "error=EIO:signal=SIGKILL:when=2",
+                    "disk full": "error=ENOSPC:when=2"}
+        request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "now": 0}) + "\n"
+        with contextlib.ExitStack() as stack:
+            roots, children = {}, {}
+            for name, inject in variants.items():
+                roots[name] = stack.enter_context(tempfile.TemporaryDirectory())
+                for kind in KINDS:
+                    shutil.copyfile(os.path.join(TEMPLATE["dir"].name, kind), os.path.join(roots[name], kind))
+                database = os.path.join(roots[name], RECEIVER)
+                children[name] = subprocess.Popen(
+                    [STRACE, "-f", "-o", os.devnull, "-e", "trace=fdatasync", "-e", f"inject=fdatasync:{inject}",
+                     "-P", database + "-wal", sys.executable, "-I", "-S", os.path.join(HERE, "reliability.py"),
+                     "serve", "receive", database], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+            outcomes = {name: child.communicate(request, timeout=15) + (child.returncode,)
+                        for name, child in children.items()}
+            for name in ("error survives", "disk full"):
+                out, err, code = outcomes[name]
+                self.assertEqual((out, code), ("", 1))
+                self.assertIn("disk I/O error", err)
+            self.assertEqual(outcomes["then SIGKILL"][2], -9)
+            # Seen as the same error by the caller, yet one outcome kept the commit: the process
+            # that lived rolled back and closed; the one killed left WAL frames that recovery keeps.
+            kept = {}
+            for name, root in roots.items():
+                with contextlib.closing(reliability.connect(os.path.join(root, RECEIVER))) as receiver:
+                    kept[name] = reliability.snapshot(receiver)["tickets"]
+                    response = reliability.receive(receiver, "agent", "k1", PAYLOAD)
+                    self.assertEqual(response["ticket_id"], 1)
+                    self.assertEqual(reliability.snapshot(receiver), {"tickets": 1, "receipts": 1})
+                    self.assertEqual(receiver.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            self.assertEqual(kept, {"error survives": 0, "then SIGKILL": 1, "disk full": 0})
+
+
 class TortureTest(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
     def test_short_seeded_torture_run_survives_kills_with_no_violation(self):
