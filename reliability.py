@@ -332,12 +332,11 @@ def receive(connection, caller, key, payload, *, issued_at=None, now=0, fault=No
     if response is not None:
         return response
     with transaction(connection):
-        # Another writer may have committed this key between the read above and our lock.
-        response = _stored_response(connection, caller, key, digest)
+        # Another writer may have committed this key between the read above and our lock;
+        # the mark is read under the lock too, since purge() moves it in a transaction of its own.
+        response, low_water = _stored_response(connection, caller, key, digest, low_water=True)
         if response is not None:
             return response
-        # Read under the lock: purge() moves the mark in a transaction of its own.
-        low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
         if low_water and (issued_at is None or issued_at < low_water):
             raise Expired(f"{caller!r}/{key!r} was issued before tick {low_water}, whose receipts may be "
                           "purged: it could be a late replay, so it is refused (a new key is a new decision)")
@@ -372,25 +371,28 @@ def purge(connection, now, window):
     return {"deleted": deleted, "low_water": mark}
 
 
-def _stored_response(connection, caller, key, digest):
+def _stored_response(connection, caller, key, digest, *, low_water=False):
+    """The replayable response stored for (caller, key), or None; with ``low_water``,
+    (response, low-water mark) from one read."""
     rows = connection.execute(
-        "SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest"
-        " FROM receipts r LEFT JOIN tickets t ON t.id = r.ticket_id"
-        " WHERE r.caller = ? AND r.key = ?", (caller, key)).fetchall()
-    if not rows:
-        return None
-    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest = rows[0]
-    if stored_digest != digest:
+        "SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest, m.low_water"
+        " FROM retention m LEFT JOIN receipts r ON r.caller = ? AND r.key = ?"
+        " LEFT JOIN tickets t ON t.id = r.ticket_id", (caller, key)).fetchall()
+    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest, mark = rows[0]
+    if stored_digest is None:
+        response = None
+    elif stored_digest != digest:
         raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-    try:
-        response = json.loads(text)
-    except (TypeError, ValueError):
-        raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
-    expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
-    if response != expected or type(response["ticket_id"]) is not int \
-            or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
-        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
-    return response
+    else:
+        try:
+            response = json.loads(text)
+        except (TypeError, ValueError):
+            raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
+        expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+        if response != expected or type(response["ticket_id"]) is not int \
+                or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
+            raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
+    return (response, mark) if low_water else response
 
 
 def _dumps(value):
