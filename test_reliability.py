@@ -1519,6 +1519,27 @@ class CommitFailureTest(Case):
             self.assertEqual(kept, {"error survives": 0, "then SIGKILL": 1, "disk full": 0})
 
 
+@unittest.skipUnless(strace_works(), "needs a working strace to fail system calls for real")
+class BadEnvironmentTest(Case):
+    """A read-only file system or an unwritable queue file gives one clear line, not a traceback."""
+
+    def test_unwritable_wal_or_queue_file_is_a_one_line_error_and_changes_nothing(self):
+        with workspace() as ws:
+            before = counts(ws)
+            database = os.path.join(ws.root, RECEIVER)
+            for suffix, error, says in (("-wal", "EROFS", "writable directory"), ("-queue", "EACCES", "Permission denied")):
+                with self.subTest(suffix):
+                    ran = subprocess.run(
+                        [STRACE, "-f", "-o", os.devnull, "-e", "trace=openat", "-e", f"inject=openat:error={error}",
+                         "-P", database + suffix, sys.executable, "-I", "-S", os.path.join(HERE, "reliability.py"),
+                         "purge", ws.root, "--now", "100", "--window", "50"], capture_output=True, text=True)
+                    self.assertEqual((ran.returncode, ran.stdout), (1, ""))
+                    self.assertEqual(len(ran.stderr.splitlines()), 1, ran.stderr)
+                    self.assertIn(says, ran.stderr)
+                    self.assertNotIn("Traceback", ran.stderr)
+            self.assertEqual(counts(ws), before)
+
+
 class TortureTest(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
     def test_short_seeded_torture_run_survives_kills_with_no_violation(self):
