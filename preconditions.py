@@ -107,6 +107,10 @@ class Busy(sqlite3.OperationalError):
     """The write lock could not be taken before the deadline; nothing was done."""
 
 
+class CorruptRecord(Exception):
+    """A stored record cannot be trusted; nothing new was done on its strength."""
+
+
 class Connection(sqlite3.Connection):
     """A sqlite3 connection that also holds its database's writer queue (``<db>-queue``)."""
     queue = None
@@ -116,6 +120,11 @@ class Connection(sqlite3.Connection):
             os.close(self.queue)
             self.queue = None
         super().close()
+
+    def __del__(self):  # a connection dropped without close() must not leak its queue
+        if self.queue is not None:
+            os.close(self.queue)
+            self.queue = None
 
 
 def _uri(path):
@@ -209,6 +218,8 @@ def transaction(connection, *, deadline=None):
     full) is an unknown outcome, not "nothing happened": WAL recovery may still
     replay that commit, so look the op up again from a fresh connection.
     """
+    if connection.in_transaction:  # a nested call would release the outer one's place in the queue
+        raise sqlite3.ProgrammingError("transaction() does not nest: this connection is already in one")
     queue = getattr(connection, "queue", None)
     if queue is not None:
         _wait_in_queue(queue, BUSY_DEADLINE if deadline is None else deadline)
@@ -385,7 +396,7 @@ def init(path, resources):
         if connection is not None:
             connection.close()
             connection = None
-        for leftover in (path, path + "-wal", path + "-shm"):
+        for leftover in (path, path + "-wal", path + "-shm", path + "-queue"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(leftover)
         raise
@@ -398,7 +409,10 @@ def _answer(stored_digest, stored_result, command_digest):
     """What a committed receipt says about this op and command."""
     if stored_digest != command_digest:
         return {"status": "conflict"}
-    return {"status": "replayed", "result": json.loads(stored_result)}
+    try:
+        return {"status": "replayed", "result": json.loads(stored_result)}
+    except (TypeError, ValueError):
+        raise CorruptRecord("a stored receipt is not JSON: nothing was decided on its strength") from None
 
 
 def _store(connection, op, command_digest, result, now):
@@ -411,9 +425,10 @@ def _store(connection, op, command_digest, result, now):
 # receipt (history), the retention mark, and both resource rows (the present).
 _READ_DECISION = """
     SELECT receipts.digest, receipts.result, (SELECT low_water FROM retention),
-           src.quantity, src.revision, dst.quantity, dst.revision
+           effects.op IS NOT NULL, src.quantity, src.revision, dst.quantity, dst.revision
     FROM (SELECT ? AS op, ? AS src_name, ? AS dst_name) AS wanted
     LEFT JOIN receipts ON receipts.op = wanted.op
+    LEFT JOIN effects ON effects.op = wanted.op
     LEFT JOIN resources AS src ON src.name = wanted.src_name
     LEFT JOIN resources AS dst ON dst.name = wanted.dst_name"""
 
@@ -424,7 +439,7 @@ def _decide(connection, op, command_digest, command, fault, issued_at, now):
     Returns (result, stored): stored is True when this call wrote a receipt.
     """
     src, dst, amount = command["src"], command["dst"], command["amount"]
-    (stored_digest, stored_result, low_water, src_quantity, src_revision,
+    (stored_digest, stored_result, low_water, acted, src_quantity, src_revision,
      dst_quantity, dst_revision), = connection.execute(
         _READ_DECISION, (op, src, dst)).fetchall()
     # A receipt committed since the unlocked read wins over any state check,
@@ -433,7 +448,8 @@ def _decide(connection, op, command_digest, command, fault, issued_at, now):
         return _answer(stored_digest, stored_result, command_digest), False
     # No receipt, but it may have been purged: an op issued before the mark could be
     # a late retry of a decision already made, so it is refused, not decided again.
-    if low_water and (issued_at is None or issued_at < low_water):
+    # An effect without a receipt is an applied op whose receipt was purged: decided already.
+    if acted or (low_water and (issued_at is None or issued_at < low_water)):
         return {"status": "expired", "low_water": low_water}, False
     store = lambda result: _store(connection, op, command_digest, result, now)
     if src_revision is None or dst_revision is None:
@@ -489,10 +505,10 @@ def execute(connection, op, command, *, issued_at=None, now=0, fault=None):
     check_ticks(issued_at, now)
     _check_fault(fault)
     command_digest = digest(command)
-    # Receipts are never updated or deleted once committed, so a receipt seen
-    # by this autocommit read (no lock) is exactly what a read under the write
-    # lock would see; fetchall() ends the read before BEGIN IMMEDIATE. A miss
-    # proves nothing and is re-checked under the lock in _decide.
+    # A committed receipt is never modified (purge() may only delete old ones), so
+    # a receipt seen by this autocommit read (no lock) is a true answer; fetchall()
+    # ends the read before BEGIN IMMEDIATE. A miss proves nothing and is re-checked
+    # under the lock, with the low-water mark, in _decide.
     rows = connection.execute("SELECT digest, result FROM receipts WHERE op = ?", (op,)).fetchall()
     if rows:
         return _answer(rows[0][0], rows[0][1], command_digest)
@@ -550,7 +566,9 @@ def change(connection, name, delta):
 
 def snapshot(connection):
     """Resources, effect and receipt counts from one consistent read."""
-    connection.execute("BEGIN")
+    own = not connection.in_transaction  # inside a caller's transaction, read within it
+    if own:
+        connection.execute("BEGIN")
     try:
         resources = {name: {"quantity": quantity, "revision": revision}
                      for name, quantity, revision in connection.execute(
@@ -558,7 +576,8 @@ def snapshot(connection):
         effects = connection.execute("SELECT count(*) FROM effects").fetchone()[0]
         receipts = connection.execute("SELECT count(*) FROM receipts").fetchone()[0]
     finally:
-        connection.execute("COMMIT")
+        if own:
+            connection.execute("COMMIT")
     return {"resources": resources, "effects": effects, "receipts": receipts}
 
 
@@ -707,7 +726,7 @@ def main(argv=None):
         finally:
             connection.close()
         return 0
-    except (ValueError, TypeError, OSError, sqlite3.Error) as error:
+    except (ValueError, TypeError, OSError, CorruptRecord, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
         sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}: {message}\n")
         sys.stderr.flush()

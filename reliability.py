@@ -56,7 +56,16 @@ UNSAFE_MODES = ("naive", "mark_before")
 STATES = ("pending", "inflight", "done", "unknown", "blocked", "abandoned")
 DECISIONS = ("done", "retry", "abandon")  # what a person may record for an unknown row
 
+# The boundaries a delivery in each mode can reach (a fault elsewhere would never fire).
+_SENDER_BOUNDARIES = ("after_claim", "after_response_before_ack", "after_ack")
+_REACHABLE = {"idempotent": _SENDER_BOUNDARIES + RECEIVER_BOUNDARIES,
+              "naive": _SENDER_BOUNDARIES + RECEIVER_BOUNDARIES,
+              "external": _SENDER_BOUNDARIES + EXTERNAL_BOUNDARIES,
+              "mark_before": ("after_mark_before_send",)}
+
 LEASE_TICKS = 10             # a claim at tick t may be taken over at tick t + 10
+MAX_TICK = 2 ** 62           # logical ticks stay far inside SQLite's signed 64-bit integers
+MAX_ATTEMPTS = 10            # an idempotent row still unanswered after this many claims is blocked
 MAX_IDENTITY_LENGTH = 200    # caller and operation key, in characters
 MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
 CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
@@ -148,6 +157,11 @@ class Connection(sqlite3.Connection):
             self.queue = None
         super().close()
 
+    def __del__(self):  # a connection dropped without close() must not leak its queue
+        if self.queue is not None:
+            os.close(self.queue)
+            self.queue = None
+
 
 # --- connections and transactions -------------------------------------------------
 
@@ -215,6 +229,8 @@ def transaction(connection, *, deadline=BUSY_DEADLINE):
     disk full) is an unknown outcome, not "nothing happened": WAL recovery may still
     replay that commit, so look the key up again from a fresh connection.
     """
+    if connection.in_transaction:  # a nested call would release the outer one's place in the queue
+        raise sqlite3.ProgrammingError("transaction() does not nest: this connection is already in one")
     queue = getattr(connection, "queue", None)
     if queue is not None:
         _wait_in_queue(queue, deadline)
@@ -269,10 +285,10 @@ def check_identity(caller, key):
 
 
 def check_ticks(issued_at, now):
-    """Logical ticks are non-negative ints (``issued_at`` may be None), issued no later than now."""
+    """Logical ticks are ints from 0 to MAX_TICK (``issued_at`` may be None), issued no later than now."""
     for name, value in (("now", now), ("issued_at", issued_at)):
-        if (value is not None or name == "now") and (type(value) is not int or value < 0):
-            raise ValueError(f"{name} must be a non-negative int tick")
+        if (value is not None or name == "now") and (type(value) is not int or not 0 <= value <= MAX_TICK):
+            raise ValueError(f"{name} must be an int tick from 0 to {MAX_TICK}")
     if issued_at is not None and issued_at > now:
         raise ValueError(f"issued_at {issued_at} is later than now {now}")
 
@@ -291,6 +307,8 @@ def canonical(payload):
                           allow_nan=False)
     except (TypeError, ValueError) as error:
         raise type(error)(f"payload is not exact JSON: {error}") from None
+    except RecursionError:
+        raise ValueError("payload nests too deeply") from None
     # json silently turns int keys into strings and tuples into lists; a value that
     # does not come back equal would change meaning between sender and receiver.
     if json.loads(text) != payload:
@@ -326,8 +344,9 @@ def receive(connection, caller, key, payload, *, issued_at=None, now=0, fault=No
     text, digest = canonical(payload)
     check_ticks(issued_at, now)
     _check_fault(fault)
-    # Receipts are never changed once committed, so one read outside the write lock
-    # sees exactly what a read inside it would: replays cost no lock and no fsync.
+    # A committed receipt is never modified (purge() may only delete old ones), so a
+    # receipt read outside the write lock is a true answer: replays cost no lock and no
+    # fsync.  A miss proves nothing and is read again under the lock with the low-water mark.
     response = _stored_response(connection, caller, key, digest)
     if response is not None:
         return response
@@ -362,6 +381,8 @@ def purge(connection, now, window):
     if type(window) is not int or window <= 0:
         raise ValueError("window must be a positive int number of ticks")
     mark = now - window
+    if mark < 0:
+        raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")
     with transaction(connection):
         low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
         if mark < low_water:
@@ -436,8 +457,7 @@ def claim(connection, now):
     expired external (non-idempotent) row is not retried but marked unknown.  Returns
     the claimed row as a dict, or None.  Only one of many racing claimers wins a row.
     """
-    if type(now) is not int or now < 0:
-        raise ValueError("now must be a non-negative int tick")
+    check_ticks(None, now)
     with transaction(connection):
         while True:
             rows = connection.execute(
@@ -454,6 +474,9 @@ def claim(connection, now):
             if state == "inflight" and mode == "external":
                 # The old attempt may have reached the tool: retrying could act twice.
                 _set_state(connection, caller, key, attempts, "unknown")
+                continue
+            if attempts >= MAX_ATTEMPTS:
+                _block(connection, caller, key, f"no valid answer after {attempts} attempts")
                 continue
             row = {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest,
                    "issued_at": issued_at, "now": now}
@@ -530,19 +553,31 @@ def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT, start=
 
 
 def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
-    """Call the tool for a claimed row and record the outcome under its attempt number."""
-    _check_fault(fault)
+    """Call the tool for a row claimed under ``row["attempt"]`` and record the outcome under it.
+
+    An external call is sent only while the row is still in flight under that attempt
+    (checked and recorded in one transaction before the request leaves); otherwise the
+    child is killed unasked and "refused" is set.  An idempotent call is sent anyway:
+    the attempt number guards only the acknowledgement, as the article says, and the
+    receiver's receipt makes a late call harmless.
+    """
+    _check_fault(fault, _REACHABLE[row["mode"]])
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
     on_start = None
     if row["mode"] == "external":
         def on_start(pid):
             # Committed before the request is sent, so reconcile() can tell whether the
-            # one process that could still act for this attempt is gone.
+            # one process that could still act for this attempt is gone; and nothing is
+            # sent for a row that is unknown, done, or held by a newer attempt.
             with transaction(connection):
-                connection.execute("UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
-                                   " AND state = 'inflight' AND attempts = ?", (pid, caller, key, attempt))
+                return connection.execute(
+                    "UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ? AND state = 'inflight'"
+                    " AND attempts = ?", (pid, caller, key, attempt)).rowcount == 1
     response, exit_code = call_tool(root, row, fault=fault if fault in CHILD_BOUNDARIES else None,
                                     timeout=timeout, start=start, on_start=on_start)
+    if exit_code == "refused":
+        return {"caller": caller, "key": key, "attempt": attempt, "exit_code": None, "response": None,
+                "acknowledged": False, "refused": "not in flight under this attempt: nothing was sent"}
     _crash(fault, "after_response_before_ack")
     result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
               "response": None, "acknowledged": False}
@@ -566,7 +601,8 @@ def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=N
             connection.execute("UPDATE outbox SET state = 'unknown', owner_pid = NULL, tool_pid = NULL"
                                " WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
                                (caller, key, attempt))
-    _crash(fault, "after_ack")
+    if result["acknowledged"]:
+        _crash(fault, "after_ack")
     return result
 
 
@@ -575,7 +611,8 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None, on_st
 
     ``start(argv)`` launches ``reliability.py argv...`` as a child with piped stdin and
     stdout (default: a fresh interpreter); ``on_start(pid)`` runs before the request
-    is sent.  A child that outlives ``timeout`` is killed and reaped (exit code None).
+    is sent, and if it returns False the child is killed unasked (exit code "refused").
+    A child that outlives ``timeout`` is killed and reaped (exit code None).
     """
     import subprocess  # only the sender spawns; tool children start faster without it
     _check_fault(fault, CHILD_BOUNDARIES)
@@ -587,8 +624,10 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None, on_st
     request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
                       "issued_at": row.get("issued_at"), "now": row.get("now", 0)})
     try:
-        if on_start is not None:
-            on_start(child.pid)
+        if on_start is not None and on_start(child.pid) is False:
+            child.kill()
+            child.communicate()
+            return None, "refused"
         output, _ = child.communicate(request + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
@@ -609,8 +648,7 @@ def start_child(argv):
     """Start ``python3 -I -S reliability.py argv...`` with pipes: isolated, no site packages."""
     import subprocess
     return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), *argv],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, encoding="utf-8")
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8")
 
 
 def serve(kind, database, request_line, *, fault=None):
@@ -752,21 +790,34 @@ def resolve(connection, caller, key, decision, *, by, why, evidence=None):
 # --- setup and observation ----------------------------------------------------------
 
 def init(root):
-    """Create sender.db, receiver.db and external.db under ``root``; never overwrite."""
+    """Create sender.db, receiver.db and external.db under ``root``; never overwrite.
+
+    On failure the files this call created are removed again.
+    """
     os.makedirs(root, exist_ok=True)
     for name in KINDS:
         for suffix in ("", "-wal", "-shm", "-journal"):
             if os.path.exists(os.path.join(root, name + suffix)):
                 raise FileExistsError(f"{os.path.join(root, name + suffix)} exists; init never overwrites")
-    for name, schema in SCHEMAS.items():
-        path = os.path.join(root, name)
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        connection = sqlite3.connect(path, isolation_level=None)
-        try:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.executescript(f"BEGIN; {schema} PRAGMA user_version = {KINDS[name]}; COMMIT;")
-        finally:
-            connection.close()
+    created = []
+    try:
+        for name, schema in SCHEMAS.items():
+            path = os.path.join(root, name)
+            # O_EXCL claims the name atomically: two inits cannot both succeed.
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            created.append(path)
+            connection = sqlite3.connect(path, isolation_level=None)
+            try:
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.executescript(f"BEGIN; {schema} PRAGMA user_version = {KINDS[name]}; COMMIT;")
+            finally:
+                connection.close()
+    except BaseException:
+        for path in created:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + suffix)
+        raise
 
 
 def snapshot(connection):
@@ -874,7 +925,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         result = _run(args)
-    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, sqlite3.Error) as error:
+    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, OverflowError, sqlite3.Error) as error:
         print(f"reliability.py {args.command}: {error}", file=sys.stderr)
         return 1
     print(_dumps(result))

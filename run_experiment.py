@@ -285,12 +285,22 @@ def run_all(names, jobs=JOBS):
         reliability.init(os.path.join(base, "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
             return [run_scenario(name, base) for name in names]
-        workers = [_fork_worker(names[index::jobs], base) for index in range(min(jobs, len(names)))]
-        finished = {}
-        for pid, reader in workers:
-            with os.fdopen(reader, encoding="utf-8") as pipe:
-                finished.update(json.load(pipe))
-            os.waitpid(pid, 0)
+        shares = [names[index::jobs] for index in range(min(jobs, len(names)))]
+        workers, finished = [], {}
+        try:
+            for share in shares:
+                workers.append(_fork_worker(share, base))
+            for share, (_, reader) in zip(shares, workers):
+                with os.fdopen(reader, encoding="utf-8") as pipe:
+                    text = pipe.read()
+                try:
+                    finished.update(json.loads(text))
+                except ValueError:  # the worker died or failed: its scenarios say so
+                    finished.update((name, {"failures": [f"the worker running {', '.join(share)} failed "
+                                                         "(its traceback is above)"]}) for name in share)
+        finally:
+            for pid, _ in workers:  # reaped before the directory goes, whatever happened
+                os.waitpid(pid, 0)
         return [_revive(name, finished[name]) for name in names]
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -329,7 +339,7 @@ def _fork_worker(names, base):
 
 
 def _revive(name, state):
-    run = Run(name, state["dir"])
+    run = Run(name, state.get("dir", ""))
     run.__dict__.update(state)
     run.events = [tuple(event) for event in run.events]
     return run
@@ -397,6 +407,7 @@ def dispatch(run, now, fault=None, lane="sender"):
     if result is None:
         run.log(lane, f"tick {now}: nothing due, nothing sent")
         return []
+    run.log(lane, f"tick {now}: claimed attempt {result['attempt']} and called the tool")
     if fault in reliability.CHILD_BOUNDARIES:
         run.log("child", f"tool child ran to {fault} and exited {result['exit_code']}")
         run.inject(f"{fault} (exit {result['exit_code']})")
@@ -405,8 +416,7 @@ def dispatch(run, now, fault=None, lane="sender"):
     response = result["response"]
     answer = ("no valid response" if not response else f"a refusal ({response['error']})" if "error" in response
               else f"ticket {response['ticket_id']}")
-    run.log(lane, f"tick {now}: claimed attempt {result['attempt']}, got {answer}, "
-            f"{'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
+    run.log(lane, f"got {answer}, {'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
     return [result["exit_code"]]
 
 
@@ -575,6 +585,7 @@ def concurrent_claim(run):
 def concurrent_receiver(run):
     request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD}) + "\n"
     database = os.path.join(run.root, reliability.RECEIVER)
+    observe(run, "before_race")
     children = start_batch([("reliability.py", "serve", "receive", database)] * 8)
     for child in children:  # all eight are started before any gets its request: they really race
         child.send(request)
@@ -1362,10 +1373,14 @@ def flatten(value, prefix=""):
 
 
 def differences(expected, observed):
-    """Every leaf key whose value differs, as (key, expected, observed); missing is '<absent>'."""
+    """Every leaf key whose value differs, as (key, expected, observed); missing is '<absent>'.
+
+    Values are compared as JSON text, so 1 differs from true and 2 from 2.0.
+    """
     left, right = flatten(expected), flatten(observed)
+    text = lambda leaves, key: json.dumps(leaves.get(key, "<absent>"), sort_keys=True)
     return [(key, left.get(key, "<absent>"), right.get(key, "<absent>"))
-            for key in sorted(set(left) | set(right)) if left.get(key, "<absent>") != right.get(key, "<absent>")]
+            for key in sorted(set(left) | set(right)) if text(left, key) != text(right, key)]
 
 
 def summary(run, arrow="->"):
@@ -1456,15 +1471,16 @@ def main(argv=None):
     out = sys.stderr if args.json else sys.stdout
     ok_mark, bad_mark, arrow = marks(out)
     runs = run_all(names)
-    width = max(len(name) for name in names if SCENARIOS[name][0] != "crash_matrix") if any(
-        SCENARIOS[name][0] != "crash_matrix" for name in names) else max(len(name) for name in names)
+    widths = {}
+    for name in names:
+        widths[SCENARIOS[name][0]] = max(widths.get(SCENARIOS[name][0], 0), len(name))
     article = None
     for run in runs:
         if SCENARIOS[run.name][0] != article:
             article = SCENARIOS[run.name][0]
             print(HEADINGS[article], file=out)
         injected = "" if SCENARIOS[run.name][0] == "crash_matrix" else "; ".join(run.injected) or "no fault"
-        line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {summary(run, arrow)}"
+        line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{widths[article]}} {summary(run, arrow)}"
         print(line + (f"  [{injected}]" if injected else ""), file=out)
         for failure in run.failures:
             print(f"      invariant failed: {failure}", file=out)

@@ -433,6 +433,31 @@ class Retention(Case):
         self.assertEqual(pre.wal_reset_bug(), pre.wal_reset_bug(sqlite3.sqlite_version_info))
 
 
+class ReviewFindings(Case):
+    """Guards added after an independent review."""
+
+    def test_an_applied_op_whose_receipt_was_purged_is_expired_not_an_integrity_error(self):
+        pre.execute(self.c, "job-1", plan(), issued_at=0, now=0)
+        pre.purge(self.c, 100, 50)
+        self.assertEqual(pre.execute(self.c, "job-1", plan(a=2, b=2), issued_at=60, now=100),
+                         {"status": "expired", "low_water": 50})
+        self.assert_state({"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2}}, 1, 0)
+
+    def test_a_corrupt_receipt_is_a_named_error_and_decides_nothing(self):
+        pre.execute(self.c, "job-1", plan())
+        self.sql("UPDATE receipts SET result = 'not json' WHERE op = 'job-1'")
+        with self.assertRaises(pre.CorruptRecord):
+            pre.execute(self.c, "job-1", plan())
+
+    def test_transaction_does_not_nest_and_snapshot_reads_inside_one(self):
+        with pre.transaction(self.c):
+            with self.assertRaises(sqlite3.ProgrammingError):
+                with pre.transaction(self.c):
+                    pass
+            self.assertEqual(pre.snapshot(self.c)["resources"], START)
+        self.assertFalse(self.c.in_transaction)
+
+
 class Concurrency(Case):
     def submit_from_threads(self, ops):
         """8 threads, each with its own connection, submit ops together."""
@@ -537,7 +562,7 @@ class Scenarios(unittest.TestCase):
     def test_rerun_reproduces_the_committed_results_json(self):
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
             committed = json.load(handle)["article_7"]
-        self.assertEqual(run_experiment.results_of(_RUNS().values())["article_7"], committed)
+        self.assertEqual(run_experiment.differences(committed, run_experiment.results_of(_RUNS().values())["article_7"]), [])
 
     def test_unsafe_check_then_act_builds_on_a_state_changed_after_its_check(self):
         final = scenario("unsafe_check_then_act")["after_go"]
@@ -623,8 +648,9 @@ class CrashMatrix(unittest.TestCase):
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
             committed = json.load(handle)["crash_matrix"]
         observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
-        self.assertEqual({k: v for k, v in observed.items() if k.startswith("preconditions/")},
-                         {k: v for k, v in committed.items() if k.startswith("preconditions/")})
+        self.assertEqual(run_experiment.differences(
+            {k: v for k, v in committed.items() if k.startswith("preconditions/")},
+            {k: v for k, v in observed.items() if k.startswith("preconditions/")}), [])
 
 
 STRACE = shutil.which("strace")

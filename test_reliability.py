@@ -6,6 +6,7 @@ test says so, real child processes.  Only the child *timeout* is simulated with
 unittest.mock, because a real one would have to wait for a clock.
 """
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -1296,6 +1297,7 @@ class RecoveryCliTest(Case):
 # die by os._exit, and every test below reads what that one run observed.
 
 ARTICLE_1 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_1"]
+OPEN_ENDS = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "open_ends"]
 _RUNS = run_experiment.shared_runs  # one run of every scenario per test process
 
 
@@ -1316,7 +1318,7 @@ class ScenarioTest(unittest.TestCase):
             "concurrent_receiver", "before_external_effect", "after_external_effect", "unsafe_external_retry"])
 
     def test_every_scenario_holds_its_invariants_and_leaves_sound_databases(self):
-        for name in ARTICLE_1:
+        for name in ARTICLE_1 + OPEN_ENDS:
             with self.subTest(name):
                 self.assertEqual(_RUNS()[name].failures, [])
                 self.assertEqual(sorted(_RUNS()[name].integrity), sorted(KINDS))
@@ -1324,8 +1326,23 @@ class ScenarioTest(unittest.TestCase):
 
     def test_rerun_reproduces_the_committed_results_json(self):
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
-            committed = json.load(handle)["article_1"]
-        self.assertEqual(run_experiment.results_of(_RUNS().values())["article_1"], committed)
+            committed = json.load(handle)
+        observed = run_experiment.results_of(_RUNS().values())
+        for group in ("article_1", "open_ends"):
+            with self.subTest(group):
+                self.assertEqual(run_experiment.differences(committed[group], observed[group]), [])
+
+    def test_unknown_is_left_by_the_tools_records_or_a_person_and_purged_receipts_refuse_late_replays(self):
+        stages = {name: scenario(name) for name in OPEN_ENDS}
+        final = lambda name, *keys: figures(list(stages[name].values())[-1], *keys)
+        self.assertEqual(final("reconcile_found", "sender_state", "attempts", "external_tickets"), ("done", 1, 1))
+        self.assertEqual(stages["reconcile_absent"]["after_reconcile"]["reconciled"], ["unknown", "pending"])
+        self.assertEqual(final("reconcile_absent", "sender_state", "attempts", "external_tickets"), ("done", 2, 1))
+        resolution = stages["manual_resolution"]["after_resolution"]
+        self.assertEqual((resolution["decisions"], resolution["audit_rewrite"]), ([["done", "operator", 1]], "refused"))
+        self.assertEqual(final("late_replay_after_purge", "sender_state", "receiver_tickets"), ("blocked", 1))
+        self.assertEqual(stages["late_replay_after_purge"]["after_late_replay"]["response"]["error"], "expired")
+        self.assertEqual(final("late_replay_without_policy", "sender_state", "receiver_tickets"), ("done", 2))
 
     def test_naive_lost_ack_issues_a_second_ticket_on_recovery(self):
         stages = scenario("naive_lost_ack")
@@ -1438,8 +1455,6 @@ class CrashMatrixTest(unittest.TestCase):
                 self.assertEqual(run.failures, [])
                 self.assertEqual(list(run.stages), list(run_experiment.matrix_modes(boundary)))
                 self.assertEqual({cell["exit_code"] for cell in run.stages.values()}, {CRASH_EXIT})
-        self.assertEqual(set(reliability.ENQUEUE_BOUNDARIES + reliability.CHILD_BOUNDARIES)
-                         - set(reliability.BOUNDARIES), set())
 
     def test_idempotent_mode_delivers_exactly_once_whatever_the_boundary(self):
         for boundary, run in self.cells().items():
@@ -1463,8 +1478,9 @@ class CrashMatrixTest(unittest.TestCase):
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
             committed = json.load(handle)["crash_matrix"]
         observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
-        self.assertEqual({k: v for k, v in observed.items() if k.startswith("reliability/")},
-                         {k: v for k, v in committed.items() if k.startswith("reliability/")})
+        self.assertEqual(run_experiment.differences(
+            {k: v for k, v in committed.items() if k.startswith("reliability/")},
+            {k: v for k, v in observed.items() if k.startswith("reliability/")}), [])
 
 
 STRACE = shutil.which("strace")
@@ -1538,6 +1554,85 @@ class BadEnvironmentTest(Case):
                     self.assertIn(says, ran.stderr)
                     self.assertNotIn("Traceback", ran.stderr)
             self.assertEqual(counts(ws), before)
+
+
+class ReviewFindingsTest(Case):
+    """Guards added after an independent review; each reproduces the finding first."""
+
+    def test_a_late_deliver_sends_nothing_for_an_external_row_that_is_no_longer_its_own(self):
+        with workspace() as ws:
+            row = unknown_external(ws)  # unknown: deliver() itself gave the attempt up
+            for attempt in (row["attempt"], 7):
+                with self.subTest(attempt=attempt), mock.patch.object(reliability, "start_child") as start:
+                    start.return_value = mock.Mock(pid=4194304, **{"communicate.return_value": ("", None)})
+                    result = reliability.deliver(ws.sender, ws.root, dict(row, attempt=attempt))
+                    self.assertIn("refused", result)
+                    start.return_value.kill.assert_called_once_with()  # killed before any request
+                    start.return_value.communicate.assert_called_once_with()
+            self.assertEqual((outbox(ws)["state"], counts(ws)["external"]), ("unknown", 0))
+
+    def test_a_fault_the_rows_mode_cannot_reach_is_refused_before_the_call(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            row = reliability.claim(ws.sender, 0)
+            with self.assertRaises(ValueError):
+                reliability.deliver(ws.sender, ws.root, row, fault="before_external_effect")
+            self.assertEqual(counts(ws)["tickets"], 0)
+
+    def test_ticks_past_max_tick_are_refused_before_any_transaction(self):
+        with workspace() as ws:
+            for call in (lambda: reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=2 ** 63),
+                         lambda: reliability.receive(ws.receiver, "agent", "k1", PAYLOAD, now=2 ** 63),
+                         lambda: reliability.claim(ws.sender, reliability.MAX_TICK + 1),
+                         lambda: reliability.purge(ws.receiver, 2 ** 64, 1)):
+                with self.assertRaises(ValueError):
+                    call()
+            self.assertEqual(counts(ws), EMPTY)
+
+    def test_transaction_does_not_nest_and_the_outer_one_keeps_its_place_in_the_queue(self):
+        with workspace() as ws, contextlib.closing(reliability.connect(os.path.join(ws.root, RECEIVER))) as other:
+            with reliability.transaction(ws.receiver):
+                with self.assertRaises(sqlite3.ProgrammingError):
+                    with reliability.transaction(ws.receiver):
+                        pass
+                with self.assertRaises(Busy):  # the queue is still held by the outer transaction
+                    with reliability.transaction(other, deadline=0.02):
+                        pass
+
+    @unittest.skipUnless(os.path.isdir("/proc/self/fd"), "counts open descriptors through /proc")
+    def test_a_connection_dropped_without_close_releases_its_queue_descriptor(self):
+        def queues():
+            names = []
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            return sum(name.endswith("-queue") for name in names)
+        with workspace() as ws:
+            before = queues()
+            for _ in range(20):
+                reliability.connect(os.path.join(ws.root, RECEIVER))  # dropped at once, never closed
+            gc.collect()
+            self.assertEqual(queues(), before)
+
+    def test_a_payload_nested_too_deeply_is_a_value_error(self):
+        deep = []
+        for _ in range(100000):
+            deep = [deep]
+        with self.assertRaises(ValueError):
+            reliability.canonical({"x": deep})
+
+    def test_an_idempotent_row_unanswered_max_attempts_times_is_blocked(self):
+        with workspace() as ws:
+            reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD)
+            for attempt in range(1, reliability.MAX_ATTEMPTS + 1):
+                self.assertEqual(reliability.claim(ws.sender, attempt * LEASE_TICKS)["attempt"], attempt)
+            self.assertIsNone(reliability.claim(ws.sender, 1000))
+            self.assertEqual((outbox(ws)["state"], outbox(ws)["attempts"]), ("blocked", reliability.MAX_ATTEMPTS))
+
+    def test_check_compares_json_types_so_one_is_not_true(self):
+        self.assertEqual(run_experiment.differences({"a": 0, "b": 2, "c": [1]}, {"a": False, "b": 2.0, "c": [True]}),
+                         [("a", 0, False), ("b", 2, 2.0), ("c", [1], [True])])
+        self.assertEqual(run_experiment.differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
 
 
 class TortureTest(unittest.TestCase):
