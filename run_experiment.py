@@ -913,12 +913,12 @@ def trigger_faults(run):
                    ({"A": 10, "B": 0}, {"A": 1, "B": 1}, 0, 0))
 
 
-def threaded(run, ops):
+def race_in_threads(db, ops):
     """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan."""
     statuses, lock = [], threading.Lock()
 
     def worker(mine):
-        connection = preconditions.connect(run.db)
+        connection = preconditions.connect(db)
         try:
             for op in mine:
                 status = preconditions.execute(connection, op, PLAN)["status"]
@@ -932,7 +932,33 @@ def threaded(run, ops):
         thread.start()
     for thread in threads:
         thread.join()
-    counts = {status: statuses.count(status) for status in sorted(set(statuses))}
+    return {status: statuses.count(status) for status in sorted(set(statuses))}
+
+
+def threaded(run, ops):
+    """The race in threads, run in a process of its own where fork is used: a process
+    that has had threads must not fork again (Python 3.12 warns, and rightly)."""
+    if not USE_FORK:
+        counts = race_in_threads(run.db, ops)
+    else:
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(reader)
+                with os.fdopen(writer, "w") as pipe:
+                    json.dump(race_in_threads(run.db, ops), pipe)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(writer)
+        with os.fdopen(reader) as pipe:
+            text = pipe.read()
+        os.waitpid(pid, 0)
+        counts = json.loads(text)
     run.log("parent", f"8 threads, {len(ops)} submissions: {counts}")
     run.inject(f"8 threads, {len(ops)} submissions")
     return counts

@@ -269,14 +269,14 @@ class Protocol(Case):
     def test_lock_timeout_raises_busy_and_records_nothing(self):
         holder = self.open()
         with pre.transaction(holder):  # another writer holds the queue and the lock
-            with mock.patch.object(pre, "BUSY_DEADLINE", 0.05):
+            with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
                 started = time.monotonic()
                 with self.assertRaises(pre.Busy) as caught:
                     pre.execute(self.c, "job-1", plan())
                 waited = time.monotonic() - started
                 with self.assertRaises(sqlite3.OperationalError):  # Busy is one
                     pre.change(self.c, "B", 2)
-        self.assertGreaterEqual(waited, 0.05)  # it waited for the deadline...
+        self.assertGreaterEqual(waited, 0.02)  # it waited for the deadline...
         self.assertLess(waited, 0.5)  # ...and no longer
         self.assertIn("busy", str(caught.exception))
         self.assert_state(START, 0, 0)
@@ -286,7 +286,7 @@ class Protocol(Case):
         foreign = sqlite3.connect(self.db, isolation_level=None)
         self.addCleanup(foreign.close)
         foreign.execute("BEGIN IMMEDIATE")
-        self.c.execute("PRAGMA busy_timeout = 50")
+        self.c.execute("PRAGMA busy_timeout = 20")
         with self.assertRaises(pre.Busy):
             pre.execute(self.c, "job-1", plan())
         foreign.execute("ROLLBACK")

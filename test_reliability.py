@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 import unittest
 from unittest import mock
 
@@ -48,18 +47,27 @@ def tearDownModule():
 
 @contextlib.contextmanager
 def workspace():
-    """A fresh root with the three databases initialised and one connection to each."""
-    with tempfile.TemporaryDirectory() as root:
+    """A fresh root with the three databases initialised; ws.sender, ws.receiver and ws.external
+    are connections opened on first use and closed on exit."""
+    with tempfile.TemporaryDirectory() as root, contextlib.ExitStack() as stack:
         for name in KINDS:
             shutil.copyfile(os.path.join(TEMPLATE["dir"].name, name), os.path.join(root, name))
-        with contextlib.ExitStack() as stack:
-            opened = {}
-            for name in KINDS:
-                connection = reliability.connect(os.path.join(root, name))
-                stack.callback(connection.close)
-                opened[name] = connection
-            yield types.SimpleNamespace(root=root, sender=opened[SENDER], receiver=opened[RECEIVER],
-                                        external=opened[EXTERNAL])
+        yield Workspace(root, stack)
+
+
+class Workspace:
+    FILES = {"sender": SENDER, "receiver": RECEIVER, "external": EXTERNAL}
+
+    def __init__(self, root, stack):
+        self.root, self._stack = root, stack
+
+    def __getattr__(self, name):  # only called for a connection not opened yet
+        if name not in self.FILES:
+            raise AttributeError(name)
+        connection = reliability.connect(os.path.join(self.root, self.FILES[name]))
+        self._stack.callback(connection.close)
+        setattr(self, name, connection)
+        return connection
 
 
 @contextlib.contextmanager
@@ -576,23 +584,6 @@ class DatabaseFileTest(Case):
 
 # --- transactions and contention --------------------------------------------------------
 
-WORKER = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import reliability
-connection = reliability.connect(sys.argv[2])
-try:
-    print("ready", flush=True)
-    sys.stdin.readline()
-    shared = reliability.receive(connection, "agent", "shared", {"n": 0})
-    for i in range(25):
-        reliability.receive(connection, "agent", "w%s-%d" % (sys.argv[3], i), {"i": i})
-    print(shared["ticket_id"], flush=True)
-finally:
-    connection.close()
-"""
-
-
 class TransactionTest(Case):
     def test_transaction_commits_on_success(self):
         with workspace() as ws:
@@ -621,12 +612,12 @@ class TransactionTest(Case):
             with reliability.transaction(holder):  # another writer holds the queue, and the lock
                 started = time.monotonic()
                 with self.assertRaises(Busy) as caught:
-                    with reliability.transaction(ws.receiver, deadline=0.05):
+                    with reliability.transaction(ws.receiver, deadline=0.02):
                         ran.append(True)
                 elapsed = time.monotonic() - started
             self.assertIsInstance(caught.exception, sqlite3.OperationalError)
             self.assertEqual(ran, [])
-            self.assertGreaterEqual(elapsed, 0.05)  # it waited for the deadline...
+            self.assertGreaterEqual(elapsed, 0.02)  # it waited for the deadline...
             self.assertLess(elapsed, 2.0)  # ...and not for the default one
             self.assertFalse(ws.receiver.in_transaction)
             # The lock is free again: the same connection writes normally.
@@ -636,7 +627,7 @@ class TransactionTest(Case):
     def test_writer_outside_the_queue_past_busy_timeout_raises_busy_and_writes_nothing(self):
         with workspace() as ws, raw(os.path.join(ws.root, RECEIVER)) as foreign:
             foreign.execute("BEGIN IMMEDIATE")
-            ws.receiver.execute("PRAGMA busy_timeout = 50")
+            ws.receiver.execute("PRAGMA busy_timeout = 20")
             with self.assertRaises(Busy):
                 reliability.receive(ws.receiver, "agent", "k1", PAYLOAD)
             foreign.execute("ROLLBACK")
@@ -645,26 +636,45 @@ class TransactionTest(Case):
 
     def test_concurrent_processes_store_every_ticket_exactly_once(self):
         with workspace() as ws:
-            database = os.path.join(ws.root, RECEIVER)
+            database = os.path.join(ws.root, RECEIVER)  # not opened here: forked writers must not inherit it
+            go_read, go_write = os.pipe()
             workers = []
             try:
                 for n in range(4):
-                    workers.append(subprocess.Popen([sys.executable, "-I", "-S", "-c", WORKER, HERE, database, str(n)],
-                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE, text=True))
-                for worker in workers:  # all imported and connected: release them together
-                    self.assertEqual(worker.stdout.readline(), "ready\n")
+                    out_read, out_write = os.pipe()
+                    pid = os.fork()
+                    if pid == 0:  # a real separate writer process; never returns into the test runner
+                        code = 1
+                        try:
+                            os.close(go_write)
+                            os.read(go_read, 1)  # all forked: released together
+                            connection = reliability.connect(database)
+                            shared = reliability.receive(connection, "agent", "shared", {"n": 0})
+                            for i in range(25):
+                                reliability.receive(connection, "agent", f"w{n}-{i}", {"i": i})
+                            connection.close()
+                            os.write(out_write, str(shared["ticket_id"]).encode())
+                            code = 0
+                        finally:
+                            os._exit(code)
+                    os.close(out_write)
+                    workers.append((pid, out_read))
                 started = time.monotonic()
-                for worker in workers:
-                    worker.stdin.write("go\n")
-                    worker.stdin.flush()
-                results = [worker.communicate(timeout=30) + (worker.returncode,) for worker in workers]
+                os.write(go_write, b"gggg")
+                results = []
+                for pid, out_read in workers:
+                    with os.fdopen(out_read) as pipe:
+                        output = pipe.read()
+                    results.append((output, "", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+                workers = []
                 elapsed = time.monotonic() - started
             finally:
-                for worker in workers:
-                    if worker.poll() is None:
-                        worker.kill()
-                    worker.communicate()
+                os.close(go_read)
+                os.close(go_write)
+                for pid, out_read in workers:  # only if something above failed
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    os.close(out_read)
             for output, errors, code in results:
                 self.assertEqual((code, errors), (0, ""))
             self.assertEqual(len({output for output, _, _ in results}), 1)  # one shared ticket id for all
@@ -1543,16 +1553,19 @@ class BadEnvironmentTest(Case):
         with workspace() as ws:
             before = counts(ws)
             database = os.path.join(ws.root, RECEIVER)
-            for suffix, error, says in (("-wal", "EROFS", "writable directory"), ("-queue", "EACCES", "Permission denied")):
+            cases = (("-wal", "EROFS", "writable directory"), ("-queue", "EACCES", "Permission denied"))
+            children = [subprocess.Popen(
+                [STRACE, "-f", "-o", os.devnull, "-e", "trace=openat", "-e", f"inject=openat:error={error}",
+                 "-P", database + suffix, sys.executable, "-I", "-S", os.path.join(HERE, "reliability.py"),
+                 "purge", ws.root, "--now", "100", "--window", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True) for suffix, error, _ in cases]
+            for (suffix, _, says), child in zip(cases, children):
+                out, err = child.communicate(timeout=15)
                 with self.subTest(suffix):
-                    ran = subprocess.run(
-                        [STRACE, "-f", "-o", os.devnull, "-e", "trace=openat", "-e", f"inject=openat:error={error}",
-                         "-P", database + suffix, sys.executable, "-I", "-S", os.path.join(HERE, "reliability.py"),
-                         "purge", ws.root, "--now", "100", "--window", "50"], capture_output=True, text=True)
-                    self.assertEqual((ran.returncode, ran.stdout), (1, ""))
-                    self.assertEqual(len(ran.stderr.splitlines()), 1, ran.stderr)
-                    self.assertIn(says, ran.stderr)
-                    self.assertNotIn("Traceback", ran.stderr)
+                    self.assertEqual((child.returncode, out), (1, ""))
+                    self.assertEqual(len(err.splitlines()), 1, err)
+                    self.assertIn(says, err)
+                    self.assertNotIn("Traceback", err)
             self.assertEqual(counts(ws), before)
 
 
@@ -1640,7 +1653,7 @@ class TortureTest(unittest.TestCase):
     def test_short_seeded_torture_run_survives_kills_with_no_violation(self):
         # Real SIGKILLs at random moments; the run's files live in a folder we inspect afterwards.
         with tempfile.TemporaryDirectory() as scratch:
-            summary = run_experiment.torture(0.3, seed=7, directory=scratch)
+            summary = run_experiment.torture(0.2, seed=7, directory=scratch)
             self.assertEqual(os.listdir(scratch), [])
         with self.assertRaises(ChildProcessError):  # every worker was reaped: no child is left
             os.waitpid(-1, os.WNOHANG)
