@@ -48,9 +48,15 @@ HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was l
             "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it applies to"}
 
 
-def scenario(article, description):
+COVERS = {}  # (boundary, mode) -> the article scenario that already is that crash-matrix cell
+
+
+def scenario(article, description, cell=None):
+    """Register a scenario; ``cell=(boundary, mode)`` says it doubles as that matrix cell."""
     def register(function):
         SCENARIOS[function.__name__] = (article, description, function)
+        if cell:
+            COVERS[cell] = function.__name__
         return function
     return register
 
@@ -284,7 +290,7 @@ def run_all(names, jobs=JOBS):
     try:
         reliability.init(os.path.join(base, "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
-            return [run_scenario(name, base) for name in names]
+            return merge_cells([run_scenario(name, base) for name in names])
         shares = [names[index::jobs] for index in range(min(jobs, len(names)))]
         workers, finished = [], {}
         try:
@@ -301,7 +307,7 @@ def run_all(names, jobs=JOBS):
         finally:
             for pid, _ in workers:  # reaped before the directory goes, whatever happened
                 os.waitpid(pid, 0)
-        return [_revive(name, finished[name]) for name in names]
+        return merge_cells([_revive(name, finished[name]) for name in names])
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -437,13 +443,15 @@ def lost_ack(run, mode):
     return final
 
 
-@scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a second ticket")
+@scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a second ticket",
+          cell=("after_receiver_commit", "naive"))
 def naive_lost_ack(run):
     final = lost_ack(run, "naive")
     run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 2))
 
 
-@scenario("article_1", "sender records done before sending and dies: the ticket is never created")
+@scenario("article_1", "sender records done before sending and dies: the ticket is never created",
+          cell=("after_mark_before_send", "mark_before"))
 def mark_before_send_loses_task(run):
     enqueue(run, "mark_before")
     observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_mark_before_send"))
@@ -451,7 +459,8 @@ def mark_before_send_loses_task(run):
     run.expect("sender state and tickets", (final["sender_state"], final["receiver_tickets"]), ("done", 0))
 
 
-@scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same ticket")
+@scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same ticket",
+          cell=("after_receiver_commit", "idempotent"))
 def idempotent_lost_ack(run):
     final = lost_ack(run, "idempotent")
     run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 1))
@@ -467,7 +476,8 @@ def recover_once(run, first):
     return status
 
 
-@scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once")
+@scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once",
+          cell=("before_intent_commit", "idempotent"))
 def before_intent_commit(run):
     first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
                                                      fault="before_intent_commit"))
@@ -475,7 +485,8 @@ def before_intent_commit(run):
     run.expect("retry status", recover_once(run, first), "accepted")
 
 
-@scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row")
+@scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row",
+          cell=("after_intent_commit", "idempotent"))
 def after_intent_commit(run):
     first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
                                                      fault="after_intent_commit"))
@@ -483,7 +494,8 @@ def after_intent_commit(run):
     run.expect("retry status", recover_once(run, first), "duplicate")
 
 
-@scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers")
+@scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers",
+          cell=("after_claim", "idempotent"))
 def after_claim(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_claim"))
@@ -493,7 +505,8 @@ def after_claim(run):
     run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
 
 
-@scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt together")
+@scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt together",
+          cell=("before_receiver_commit", "idempotent"))
 def before_receiver_commit(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "before_receiver_commit"))
@@ -502,7 +515,8 @@ def before_receiver_commit(run):
     run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
 
 
-@scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still counts")
+@scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still counts",
+          cell=("after_response_write", "idempotent"))
 def after_response_write(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "after_response_write"))
@@ -512,7 +526,8 @@ def after_response_write(run):
     run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
 
 
-@scenario("article_1", "sender read the reply but died before recording it: the replay returns it again")
+@scenario("article_1", "sender read the reply but died before recording it: the replay returns it again",
+          cell=("after_response_before_ack", "idempotent"))
 def after_response_before_ack(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_response_before_ack"))
@@ -522,7 +537,8 @@ def after_response_before_ack(run):
                            final["response"]["ticket_id"]), ("done", 2, 1, 1))
 
 
-@scenario("article_1", "sender dies after recording done: the restart sends nothing")
+@scenario("article_1", "sender dies after recording done: the restart sends nothing",
+          cell=("after_ack", "idempotent"))
 def after_ack(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_ack"))
@@ -605,14 +621,16 @@ def external_crash(run, fault):
     return first
 
 
-@scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry")
+@scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry",
+          cell=("before_external_effect", "external"))
 def before_external_effect(run):
     external_crash(run, "before_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("outcome", (final["sender_state"], final["attempts"], final["external_tickets"]), ("unknown", 1, 0))
 
 
-@scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot tell")
+@scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot tell",
+          cell=("after_external_effect", "external"))
 def after_external_effect(run):
     external_crash(run, "after_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
@@ -1017,11 +1035,19 @@ def delivery_cell(run, boundary, mode):
         else:
             codes = sender_child(run, "dispatch", "--now", 0, fault=boundary)
     dispatch(run, 11, lane="recovery")
-    seen = observe(run, f"{mode}", codes)
-    tickets = seen["external_tickets"] if mode == "external" else seen["receiver_tickets"]
-    cell = {"exit_code": codes[0], "sender_state": seen["sender_state"], "attempts": seen["attempts"],
-            "tickets": tickets}
-    run.stages[mode] = cell
+    run.stages[mode] = as_cell(mode, codes, observe(run, f"{mode}", codes))
+    expect_cell(run, mode, run.stages[mode])
+
+
+def as_cell(mode, codes, final):
+    """A matrix cell: the crash's exit code and what the last observation holds."""
+    return {"exit_code": codes[0], "sender_state": final["sender_state"], "attempts": final["attempts"],
+            "tickets": final["external_tickets" if mode == "external" else "receiver_tickets"]}
+
+
+def expect_cell(run, mode, cell):
+    """The invariant of a delivery mode after a crash at any boundary and a recovery."""
+    tickets = cell["tickets"]
     run.expect(f"{mode}: the crash happened", cell["exit_code"], reliability.CRASH_EXIT)
     if mode == "idempotent":
         run.expect(f"{mode}: exactly once", (cell["sender_state"], tickets), ("done", 1))
@@ -1066,9 +1092,33 @@ def _matrix_scenario(function, boundary, variants):
 
 
 for _boundary in reliability.BOUNDARIES:
+    # A cell an article scenario already is comes from that run (see merge_cells), not a second one.
     SCENARIOS[f"reliability/{_boundary}"] = (
         "crash_matrix", f"crash at {_boundary}: " + ", ".join(matrix_modes(_boundary)),
-        _matrix_scenario(delivery_cell, _boundary, matrix_modes(_boundary)))
+        _matrix_scenario(delivery_cell, _boundary,
+                         [mode for mode in matrix_modes(_boundary) if (_boundary, mode) not in COVERS]))
+
+
+def merge_cells(runs):
+    """Fill each matrix row with the cells its covering article scenarios observed, checked alike."""
+    by_name = {run.name: run for run in runs}
+    for (boundary, mode), name in COVERS.items():
+        row, source = by_name.get(f"reliability/{boundary}"), by_name.get(name)
+        if row is None or source is None:
+            continue
+        stages = list(source.stages.values())
+        if not stages or not stages[0].get("exit_codes"):
+            row.failures.append(f"{mode}: {name} observed no crash")
+            continue
+        cell = as_cell(mode, stages[0]["exit_codes"], stages[-1])
+        expect_cell(row, mode, cell)
+        row.stages[mode] = cell
+        row.log("matrix", f"{mode} cell from scenario {name}")
+    for run in runs:
+        if run.name.startswith("reliability/"):
+            order = matrix_modes(run.name.split("/", 1)[1])
+            run.stages = {mode: run.stages[mode] for mode in order if mode in run.stages}
+    return runs
 for _boundary in preconditions.BOUNDARIES:
     # Only the commit of a stored rejection passes after_commit on the stale path.
     _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
@@ -1493,6 +1543,9 @@ def main(argv=None):
     if args.explain:
         return explain(run_all([args.explain])[0])
     names = args.only or names
+    for (boundary, _), name in COVERS.items():  # a matrix row's covered cells come from these runs
+        if f"reliability/{boundary}" in names and name not in names:
+            names.append(name)
     versions(sys.stderr)
     out = sys.stderr if args.json else sys.stdout
     ok_mark, bad_mark, arrow = marks(out)
