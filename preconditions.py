@@ -652,6 +652,19 @@ def _parse_command(text):
     return json.loads(text, object_pairs_hook=no_duplicates)
 
 
+_COMMANDS = {  # subcommand: (help, [(flags, add_argument options)])
+    "init": ("create a fresh database", [(("db",), {}), (("resources",), {"nargs": "+", "metavar": "NAME=QTY"})]),
+    "execute": ("run a plan through the safe entry", [
+        (("db",), {}), (("op",), {}), (("command",), {"metavar": "COMMAND_JSON"}),
+        (("--fault",), {"choices": BOUNDARIES}),
+        (("--wait",), {"action": "store_true", "help": "print READY and wait for GO on stdin before executing"})]),
+    "unsafe-check-then-act": ("UNSAFE baseline: READY/GO between the check and the write", [
+        (("db",), {}), (("op",), {}), (("command",), {"metavar": "COMMAND_JSON"})]),
+    "change": ("quantity + DELTA, revision + 1", [(("db",), {}), (("name",), {}), (("delta",), {"type": int})]),
+    "snapshot": ("print the current state", [(("db",), {})]),
+}
+
+
 def main(argv=None):
     """Command line used by the experiment driver's child processes.
 
@@ -666,30 +679,18 @@ def main(argv=None):
     line on stderr), 2 bad usage; --fault exits with EXIT_CODES[BOUNDARY].
     """
     import argparse
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="preconditions.py",
                                      description="Version-checked transfer plans on SQLite.")
     sub = parser.add_subparsers(dest="subcommand", required=True)
-    p = sub.add_parser("init", help="create a fresh database")
-    p.add_argument("db")
-    p.add_argument("resources", nargs="+", metavar="NAME=QTY")
-    p = sub.add_parser("execute", help="run a plan through the safe entry")
-    p.add_argument("db")
-    p.add_argument("op")
-    p.add_argument("command", metavar="COMMAND_JSON")
-    p.add_argument("--fault", choices=BOUNDARIES)
-    p.add_argument("--wait", action="store_true",
-                   help="print READY and wait for GO on stdin before executing")
-    p = sub.add_parser("unsafe-check-then-act",
-                       help="UNSAFE baseline: READY/GO between the check and the write")
-    p.add_argument("db")
-    p.add_argument("op")
-    p.add_argument("command", metavar="COMMAND_JSON")
-    p = sub.add_parser("change", help="quantity + DELTA, revision + 1")
-    p.add_argument("db")
-    p.add_argument("name")
-    p.add_argument("delta", type=int)
-    p = sub.add_parser("snapshot", help="print the current state")
-    p.add_argument("db")
+    # Only the subcommand asked for is built: argparse spends about a millisecond on each,
+    # and experiment children start often.  --help and mistakes still see them all.
+    wanted = argv[0] if argv[:1] and argv[0] in _COMMANDS else None
+    for name, (helptext, arguments) in _COMMANDS.items():
+        if wanted in (None, name):
+            p = sub.add_parser(name, help=helptext)
+            for flags, options in arguments:
+                p.add_argument(*flags, **options)
     args = parser.parse_args(argv)
 
     resources = {}

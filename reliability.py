@@ -896,8 +896,15 @@ def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    # Only the subcommand asked for is built: argparse spends about a millisecond on each,
+    # and experiment children start often.  --help and mistakes still see them all.
+    names = ("init", "enqueue", "claim", "dispatch", "deliver", "snapshot", "reconcile", "resolve", "purge")
+    wanted = argv[0] if argv[:1] and argv[0] in names else None
+    skipped = argparse.Namespace(add_argument=lambda *args, **kwargs: None)
 
     def command(name, helptext, *positional, now=False):
+        if wanted not in (None, name):
+            return skipped
         p = sub.add_parser(name, help=helptext)
         for argument in ("root",) + positional:
             p.add_argument(argument)
