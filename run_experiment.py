@@ -280,23 +280,41 @@ def check_integrity(run):
 
 
 def run_all(names, jobs=JOBS):
-    """Run scenarios and return their Runs in the order of ``names``.
+    """Run scenarios and return their Runs in the order of ``names``."""
+    return collect(start_all(names, jobs))
+
+
+def start_all(names, jobs=JOBS):
+    """Start running scenarios and return at once; collect() waits and returns the Runs.
 
     With fork, ``jobs`` single-threaded worker processes share the scenarios (each
     scenario owns its directory and children, so sharing changes no result);
-    otherwise they run one after another in this process.
+    otherwise they run here, one after another, before this returns.
     """
-    base = tempfile.mkdtemp(prefix="reliability-experiment-")
+    pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
+               "shares": [], "workers": [], "runs": None}
     try:
-        reliability.init(os.path.join(base, "template"))
+        reliability.init(os.path.join(pending["base"], "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
-            return merge_cells([run_scenario(name, base) for name in names])
-        shares = [names[index::jobs] for index in range(min(jobs, len(names)))]
-        workers, finished = [], {}
-        try:
-            for share in shares:
-                workers.append(_fork_worker(share, base))
-            for share, (_, reader) in zip(shares, workers):
+            pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
+        else:
+            for index in range(min(jobs, len(names))):
+                pending["shares"].append(names[index::jobs])
+                pending["workers"].append(_fork_worker(pending["shares"][-1], pending["base"]))
+    except BaseException:
+        collect(pending)
+        raise
+    return pending
+
+
+def collect(pending):
+    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs."""
+    readers = {reader for _, reader in pending["workers"]}
+    try:
+        if pending["runs"] is None:
+            finished = {}
+            for share, (_, reader) in zip(pending["shares"], pending["workers"]):
+                readers.discard(reader)
                 with os.fdopen(reader, encoding="utf-8") as pipe:
                     text = pipe.read()
                 try:
@@ -304,22 +322,32 @@ def run_all(names, jobs=JOBS):
                 except ValueError:  # the worker died or failed: its scenarios say so
                     finished.update((name, {"failures": [f"the worker running {', '.join(share)} failed "
                                                          "(its traceback is above)"]}) for name in share)
-        finally:
-            for pid, _ in workers:  # reaped before the directory goes, whatever happened
-                os.waitpid(pid, 0)
-        return merge_cells([_revive(name, finished[name]) for name in names])
+            pending["runs"] = [_revive(name, finished[name]) for name in pending["names"]]
+        return merge_cells(pending["runs"])
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        for reader in readers:  # unread after an error: closing it lets a blocked worker end
+            os.close(reader)
+        for pid, _ in pending["workers"]:  # reaped before the directory goes, whatever happened
+            os.waitpid(pid, 0)
+        pending["workers"] = []
+        shutil.rmtree(pending["base"], ignore_errors=True)
 
 
 _SHARED = {}
 
 
+def start_shared():
+    """Start every scenario in the background, once per process, for the test modules."""
+    if not _SHARED:
+        _SHARED["pending"] = start_all(list(SCENARIOS))
+
+
 def shared_runs():
     """Every scenario, run once per process: the two test modules read the same run."""
-    if not _SHARED:
-        _SHARED.update((run.name, run) for run in run_all(list(SCENARIOS)))
-    return _SHARED
+    if "runs" not in _SHARED:
+        start_shared()
+        _SHARED["runs"] = {run.name: run for run in collect(_SHARED.pop("pending"))}
+    return _SHARED["runs"]
 
 
 def _fork_worker(names, base):

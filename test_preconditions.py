@@ -49,6 +49,7 @@ TEMPLATE = {}  # the A = 10, B = 0 database made once by init(), copied per test
 
 
 def setUpModule():
+    run_experiment.start_shared()  # the experiment runs in its own processes while unit tests run
     tmp = tempfile.TemporaryDirectory()
     TEMPLATE["dir"] = tmp
     TEMPLATE["path"] = os.path.join(tmp.name, "template.db")
@@ -56,6 +57,7 @@ def setUpModule():
 
 
 def tearDownModule():
+    run_experiment.shared_runs()  # waits for it and reaps it, even if no test asked
     TEMPLATE.pop("dir").cleanup()
 
 
