@@ -303,8 +303,7 @@ def canonical(payload):
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
     try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
+        text = _dumps(payload)
     except (TypeError, ValueError) as error:
         raise type(error)(f"payload is not exact JSON: {error}") from None
     except RecursionError:
@@ -395,29 +394,33 @@ def purge(connection, now, window):
 def _stored_response(connection, caller, key, digest, *, low_water=False):
     """The replayable response stored for (caller, key), or None; with ``low_water``,
     (response, low-water mark) from one read."""
-    rows = connection.execute(
-        "SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest, m.low_water"
-        " FROM retention m LEFT JOIN receipts r ON r.caller = ? AND r.key = ?"
-        " LEFT JOIN tickets t ON t.id = r.ticket_id", (caller, key)).fetchall()
-    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest, mark = rows[0]
-    if stored_digest is None:
-        response = None
-    elif stored_digest != digest:
+    rows = connection.execute(_READ_RECEIPT_AND_MARK if low_water else _READ_RECEIPT, (caller, key)).fetchall()
+    if not rows or rows[0][0] is None:
+        return (None, rows[0][-1]) if low_water else None
+    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest = rows[0][:6]
+    if stored_digest != digest:
         raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-    else:
-        try:
-            response = json.loads(text)
-        except (TypeError, ValueError):
-            raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
-        expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
-        if response != expected or type(response["ticket_id"]) is not int \
-                or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
-            raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
-    return (response, mark) if low_water else response
+    try:
+        response = json.loads(text)
+    except (TypeError, ValueError):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
+    expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+    if response != expected or type(response["ticket_id"]) is not int \
+            or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
+    return (response, rows[0][-1]) if low_water else response
 
 
-def _dumps(value):
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_READ_RECEIPT = ("SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest"
+                 " FROM receipts r LEFT JOIN tickets t ON t.id = r.ticket_id WHERE r.caller = ? AND r.key = ?")
+# Under the write lock the mark comes along, so one statement answers both questions.
+_READ_RECEIPT_AND_MARK = ("SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest, m.low_water"
+                          " FROM retention m LEFT JOIN receipts r ON r.caller = ? AND r.key = ?"
+                          " LEFT JOIN tickets t ON t.id = r.ticket_id")
+
+
+# One encoder, made once: sorted keys, compact, UTF-8 text, no NaN or Infinity.
+_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
 # --- the durable outbox -------------------------------------------------------------
