@@ -1681,6 +1681,22 @@ class ReadmeTest(unittest.TestCase):
                 with self.subTest(name):
                     self.assertIn(run_experiment.summary(runs[name], "→"), [cell.strip() for cell in cells])
 
+    def test_readme_sample_output_and_timeline_are_what_the_driver_prints_today(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            readme = handle.read()
+        runs = _RUNS()
+        sample = re.findall(r"^  ✓ (\S+) +(.+?)  \[(.+)\]$", readme, re.MULTILINE)
+        self.assertGreater(len(sample), 3)
+        for name, figures, injected in sample:
+            with self.subTest(name):
+                self.assertEqual((figures, injected), (run_experiment.summary(runs[name], "→"),
+                                                       "; ".join(runs[name].injected)))
+        timeline = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # a terminal that shows ✓ and →
+        with contextlib.redirect_stdout(timeline):
+            run_experiment.explain(runs["idempotent_lost_ack"])
+        timeline.seek(0)
+        self.assertIn(timeline.read(), readme)
+
 
 class ChildStartTest(unittest.TestCase):
     def test_failed_batch_start_kills_and_reaps_the_children_already_started(self):
