@@ -507,19 +507,20 @@ def recover_once(run, first):
 @scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once",
           cell=("before_intent_commit", "idempotent"))
 def before_intent_commit(run):
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
-                                                     fault="before_intent_commit"))
-    run.expect("nothing stored", (first["sender_state"], first["intent_rows"]), ("absent", 0))
-    run.expect("retry status", recover_once(run, first), "accepted")
+    enqueue_crash(run, "before_intent_commit", kept=("absent", 0), retry="accepted")
 
 
 @scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row",
           cell=("after_intent_commit", "idempotent"))
 def after_intent_commit(run):
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD),
-                                                     fault="after_intent_commit"))
-    run.expect("intent kept", (first["sender_state"], first["intent_rows"]), ("pending", 1))
-    run.expect("retry status", recover_once(run, first), "duplicate")
+    enqueue_crash(run, "after_intent_commit", kept=("pending", 1), retry="duplicate")
+
+
+def enqueue_crash(run, fault, kept, retry):
+    """enqueue dies at ``fault``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's answer."""
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), fault=fault))
+    run.expect("what the crash kept", (first["sender_state"], first["intent_rows"]), kept)
+    run.expect("retry status", recover_once(run, first), retry)
 
 
 @scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers",
