@@ -52,7 +52,6 @@ CRASH_EXIT = 73
 # Delivery modes.  Only "idempotent" is safe; the others exist to show what breaks
 # and are used only when a request is enqueued with them explicitly.
 MODES = ("idempotent", "naive", "mark_before", "external")
-UNSAFE_MODES = ("naive", "mark_before")
 STATES = ("pending", "inflight", "done", "unknown", "blocked", "abandoned")
 DECISIONS = ("done", "retry", "abandon")  # what a person may record for an unknown row
 
