@@ -116,12 +116,10 @@ class Connection(sqlite3.Connection):
     queue = None
 
     def close(self):
-        if self.queue is not None:
-            os.close(self.queue)
-            self.queue = None
+        self.__del__()
         super().close()
 
-    def __del__(self):  # a connection dropped without close() must not leak its queue
+    def __del__(self):  # also for a connection dropped without close(): the queue must not leak
         if self.queue is not None:
             os.close(self.queue)
             self.queue = None

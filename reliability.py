@@ -151,12 +151,10 @@ class Connection(sqlite3.Connection):
     queue = None
 
     def close(self):
-        if self.queue is not None:
-            os.close(self.queue)
-            self.queue = None
+        self.__del__()
         super().close()
 
-    def __del__(self):  # a connection dropped without close() must not leak its queue
+    def __del__(self):  # also for a connection dropped without close(): the queue must not leak
         if self.queue is not None:
             os.close(self.queue)
             self.queue = None
@@ -531,9 +529,20 @@ def check_response(response, caller, key, digest):
 
 
 def _set_state(connection, caller, key, attempt, state):
+    # Guarded by the attempt: a newer attempt, or a person, may own the row by now.
     return connection.execute(
         "UPDATE outbox SET state = ? WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
         (state, caller, key, attempt)).rowcount == 1
+
+
+def _end_attempt(connection, caller, key, attempt, state, response=None):
+    """The attempt's owner gives it up as ``state``: its tool child is reaped, so nobody
+    can act for it any more (the pids reconcile() would wait for are cleared)."""
+    with transaction(connection):
+        connection.execute(
+            "UPDATE outbox SET state = ?, response = coalesce(?, response), owner_pid = NULL, tool_pid = NULL"
+            " WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
+            (state, None if response is None else _dumps(response), caller, key, attempt))
 
 
 def dispatch(connection, root, now, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
@@ -585,9 +594,7 @@ def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=N
               "response": None, "acknowledged": False}
     if isinstance(response, dict) and response.get("error") in ("conflict", "expired"):
         # The receiver refused for good: a person, or a new key, decides what follows.
-        with transaction(connection):
-            connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?"
-                               " AND state = 'inflight' AND attempts = ?", (_dumps(response), caller, key, attempt))
+        _end_attempt(connection, caller, key, attempt, "blocked", response)
         result["response"] = response
         return result
     if response is not None:
@@ -597,12 +604,8 @@ def deliver(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=N
         except ValueError:
             response = None
     if response is None and row["mode"] == "external":
-        # The tool may or may not have acted; only a lookup or a person can tell.  Its
-        # child is reaped and this process gives up the attempt: nobody can still act.
-        with transaction(connection):
-            connection.execute("UPDATE outbox SET state = 'unknown', owner_pid = NULL, tool_pid = NULL"
-                               " WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
-                               (caller, key, attempt))
+        # The tool may or may not have acted; only a lookup or a person can tell.
+        _end_attempt(connection, caller, key, attempt, "unknown")
     if result["acknowledged"]:
         _crash(fault, "after_ack")
     return result
@@ -625,20 +628,20 @@ def call_tool(root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None, on_st
     child = (start or start_child)(argv)
     request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
                       "issued_at": row.get("issued_at"), "now": row.get("now", 0)})
+    outcome = "refused"
     try:
-        if on_start is not None and on_start(child.pid) is False:
+        if on_start is None or on_start(child.pid) is not False:
+            outcome = None  # a child killed at the time-out has no exit code to report
+            output, _ = child.communicate(request + "\n", timeout=timeout)
+            outcome = "answered"
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if outcome != "answered":  # refused, timed out or interrupted: never left running
             child.kill()
             child.communicate()
-            return None, "refused"
-        output, _ = child.communicate(request + "\n", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        return None, None
-    except BaseException:
-        child.kill()
-        child.communicate()
-        raise
+    if outcome != "answered":
+        return None, outcome
     line = output.split("\n", 1)[0]
     try:
         return json.loads(line), child.returncode
@@ -856,8 +859,7 @@ def unsafe_receive_without_receipt(connection, caller, key, payload, *, fault=No
 
 def unsafe_dispatch_mark_before(connection, root, row, *, fault=None, timeout=CHILD_TIMEOUT, start=None):
     """UNSAFE baseline: records done before sending, so a crash in between loses the task."""
-    with transaction(connection):
-        _set_state(connection, row["caller"], row["key"], row["attempt"], "done")
+    _end_attempt(connection, row["caller"], row["key"], row["attempt"], "done")
     _crash(fault, "after_mark_before_send")
     response, exit_code = call_tool(root, dict(row, mode="idempotent"), timeout=timeout, start=start)
     return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"], "exit_code": exit_code,

@@ -350,19 +350,19 @@ def shared_runs():
     return _SHARED["runs"]
 
 
-def _fork_worker(names, base):
+def fork_json(function, *args):
+    """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
     reader, writer = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the worker: runs its share, reports, and never returns into the caller
+    if pid == 0:  # the child: reports and never returns into the caller
         code = 1
         try:
             os.close(reader)
-            random.seed()
-            runs = [run_scenario(name, base) for name in names]
+            random.seed()  # siblings must not share the parent's back-off sequence
             with os.fdopen(writer, "w", encoding="utf-8") as pipe:
-                json.dump({run.name: vars(run) for run in runs}, pipe)
+                json.dump(function(*args), pipe)
             code = 0
         except BaseException:
             traceback.print_exc()  # os._exit below would swallow it
@@ -370,6 +370,10 @@ def _fork_worker(names, base):
             os._exit(code)
     os.close(writer)
     return pid, reader
+
+
+def _fork_worker(names, base):
+    return fork_json(lambda: {run.name: vars(run) for run in (run_scenario(name, base) for name in names)})
 
 
 def _revive(name, state):
@@ -988,21 +992,8 @@ def threaded(run, ops):
     if not USE_FORK:
         counts = race_in_threads(run.db, ops)
     else:
-        reader, writer = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(reader)
-                with os.fdopen(writer, "w") as pipe:
-                    json.dump(race_in_threads(run.db, ops), pipe)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        os.close(writer)
-        with os.fdopen(reader) as pipe:
+        pid, reader = fork_json(race_in_threads, run.db, ops)
+        with os.fdopen(reader, encoding="utf-8") as pipe:
             text = pipe.read()
         os.waitpid(pid, 0)
         counts = json.loads(text)
