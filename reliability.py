@@ -112,7 +112,7 @@ SCHEMAS = {
             digest TEXT NOT NULL, payload TEXT NOT NULL);
         CREATE TABLE receipts (
             caller TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
-            ticket_id INTEGER NOT NULL REFERENCES tickets (id), response TEXT NOT NULL,
+            ticket_id INTEGER NOT NULL REFERENCES tickets (id),  -- the result a replay returns
             tick INTEGER NOT NULL,  -- when it was written, for purge()
             PRIMARY KEY (caller, key)) WITHOUT ROWID;
         -- Receipts older than low_water may be gone: a request issued before it is refused.
@@ -330,8 +330,8 @@ def _crash(fault, boundary):
 def receive(connection, caller, key, payload, *, issued_at=None, now=0, fault=None):
     """Create one ticket per (caller, key), however often the request arrives.
 
-    The receipt check, the ticket and the receipt (holding the exact response) share
-    one BEGIN IMMEDIATE transaction, so a replay returns the identical response and a
+    The receipt check, the ticket and the receipt (digest and ticket id) share one
+    BEGIN IMMEDIATE transaction, so a replay returns the identical response and a
     different payload under the same key raises Conflict.  Holds while receipts are
     kept: once purge() has run, a request issued (``issued_at``) before its low-water
     mark and found without a receipt raises Expired instead of acting again.
@@ -358,13 +358,11 @@ def receive(connection, caller, key, payload, *, issued_at=None, now=0, fault=No
         ticket = connection.execute(
             "INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
             (caller, key, digest, text)).lastrowid
-        response = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
-        connection.execute(
-            "INSERT INTO receipts (caller, key, digest, ticket_id, response, tick) VALUES (?, ?, ?, ?, ?, ?)",
-            (caller, key, digest, ticket, _dumps(response), now))
+        connection.execute("INSERT INTO receipts (caller, key, digest, ticket_id, tick) VALUES (?, ?, ?, ?, ?)",
+                           (caller, key, digest, ticket, now))
         _crash(fault, "before_receiver_commit")  # the ticket exists only inside this transaction
     _crash(fault, "after_receiver_commit")  # committed, and nobody has been told
-    return response
+    return _response(caller, key, digest, ticket)
 
 
 def purge(connection, now, window):
@@ -394,24 +392,26 @@ def _stored_response(connection, caller, key, digest, *, low_water=False):
     rows = connection.execute(_READ_RECEIPT_AND_MARK if low_water else _READ_RECEIPT, (caller, key)).fetchall()
     if not rows or rows[0][0] is None:
         return (None, rows[0][-1]) if low_water else None
-    stored_digest, ticket, text, ticket_caller, ticket_key, ticket_digest = rows[0][:6]
+    stored_digest, ticket, ticket_caller, ticket_key, ticket_digest = rows[0][:5]
     if stored_digest != digest:
         raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-    try:
-        response = json.loads(text)
-    except (TypeError, ValueError):
-        raise CorruptRecord(f"receipt {caller!r}/{key!r}: stored response is not JSON") from None
-    expected = {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
-    if response != expected or type(response["ticket_id"]) is not int \
-            or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
-        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its response or ticket")
+    if type(ticket) is not int or (ticket_caller, ticket_key, ticket_digest) != (caller, key, digest):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its ticket")
+    response = _response(caller, key, digest, ticket)
     return (response, rows[0][-1]) if low_water else response
 
 
-_READ_RECEIPT = ("SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest"
+def _response(caller, key, digest, ticket):
+    # The whole response is a function of the receipt row, so rebuilding it returns the
+    # identical value on every replay without storing it twice (a narrower receipt is a
+    # cheaper commit).  A response carrying more (a URL, a server time) must store it too.
+    return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+
+
+_READ_RECEIPT = ("SELECT r.digest, r.ticket_id, t.caller, t.key, t.digest"
                  " FROM receipts r LEFT JOIN tickets t ON t.id = r.ticket_id WHERE r.caller = ? AND r.key = ?")
 # Under the write lock the mark comes along, so one statement answers both questions.
-_READ_RECEIPT_AND_MARK = ("SELECT r.digest, r.ticket_id, r.response, t.caller, t.key, t.digest, m.low_water"
+_READ_RECEIPT_AND_MARK = ("SELECT r.digest, r.ticket_id, t.caller, t.key, t.digest, m.low_water"
                           " FROM retention m LEFT JOIN receipts r ON r.caller = ? AND r.key = ?"
                           " LEFT JOIN tickets t ON t.id = r.ticket_id")
 
