@@ -61,6 +61,11 @@ def tearDownModule():
     TEMPLATE.pop("dir").cleanup()
 
 
+def load_tests(loader, tests, pattern):
+    """The tests that read the shared experiment run go last, so it runs while the others do."""
+    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, (Scenarios, CrashMatrix)) for test in suite)))
+
+
 class Case(unittest.TestCase):
     def setUp(self):
         tmp = tempfile.TemporaryDirectory()
