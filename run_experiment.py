@@ -289,19 +289,32 @@ def start_all(names, jobs=JOBS):
     otherwise they run here, one after another, before this returns.
     """
     pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
-               "shares": [], "workers": [], "runs": None}
+               "workers": [], "runs": None}
     try:
         reliability.init(os.path.join(pending["base"], "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
             pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
         else:
-            for index in range(min(jobs, len(names))):
-                pending["shares"].append(names[index::jobs])
-                pending["workers"].append(_fork_worker(pending["shares"][-1], pending["base"]))
+            for _ in range(min(jobs, len(names))):
+                pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
     except BaseException:
         collect(pending)
         raise
     return pending
+
+
+def _work(names, base):
+    # Each worker runs the scenarios it is first to claim (one O_EXCL file each), so the
+    # workers finish together however unequal the scenarios are.
+    runs = {}
+    for name in names:
+        try:
+            os.close(os.open(os.path.join(base, "claimed-" + name.replace("/", "-")),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        runs[name] = vars(run_scenario(name, base))
+    return runs
 
 
 def collect(pending):
@@ -310,16 +323,16 @@ def collect(pending):
     try:
         if pending["runs"] is None:
             finished = {}
-            for share, (_, reader) in zip(pending["shares"], pending["workers"]):
+            for _, reader in pending["workers"]:
                 readers.discard(reader)
                 with os.fdopen(reader, encoding="utf-8") as pipe:
                     text = pipe.read()
                 try:
                     finished.update(json.loads(text))
-                except ValueError:  # the worker died or failed: its scenarios say so
-                    finished.update((name, {"failures": [f"the worker running {', '.join(share)} failed "
-                                                         "(its traceback is above)"]}) for name in share)
-            pending["runs"] = [_revive(name, finished[name]) for name in pending["names"]]
+                except ValueError:  # the worker died or failed: the scenarios it held say so below
+                    pass
+            lost = {"failures": ["its worker died or failed before reporting (a traceback, if any, is above)"]}
+            pending["runs"] = [_revive(name, finished.get(name, lost)) for name in pending["names"]]
         return merge_cells(pending["runs"])
     finally:
         for reader in readers:  # unread after an error: closing it lets a blocked worker end
@@ -367,10 +380,6 @@ def fork_json(function, *args):
             os._exit(code)
     os.close(writer)
     return pid, reader
-
-
-def _fork_worker(names, base):
-    return fork_json(lambda: {run.name: vars(run) for run in (run_scenario(name, base) for name in names)})
 
 
 def _revive(name, state):

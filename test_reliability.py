@@ -1641,6 +1641,19 @@ class ReviewFindingsTest(Case):
         self.assertEqual(run_experiment.differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
 
 
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
+    def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
+        def kills_its_worker(run):
+            os._exit(9)  # the worker process itself, not a child: it reports nothing
+        run_experiment.SCENARIOS["kills_its_worker"] = ("open_ends", "dies", kills_its_worker)
+        try:
+            runs = run_experiment.run_all(["kills_its_worker", "idempotent_lost_ack", "after_ack"], jobs=2)
+        finally:
+            del run_experiment.SCENARIOS["kills_its_worker"]
+        self.assertEqual({run.name: run.failures for run in runs}, {
+            "kills_its_worker": ["its worker died or failed before reporting (a traceback, if any, is above)"],
+            "idempotent_lost_ack": [], "after_ack": []})
+
 class TortureTest(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
     def test_short_seeded_torture_run_survives_kills_with_no_violation(self):
