@@ -1645,14 +1645,21 @@ class ReviewFindingsTest(Case):
     def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
         def kills_its_worker(run):
             os._exit(9)  # the worker process itself, not a child: it reports nothing
-        run_experiment.SCENARIOS["kills_its_worker"] = ("open_ends", "dies", kills_its_worker)
+
+        def observes(run):
+            run.stages["seen"] = {"pid_differs": os.getpid() != parent}
+        parent = os.getpid()
+        added = {"kills_its_worker": kills_its_worker, "observes": observes, "observes_too": observes}
+        for name, function in added.items():
+            run_experiment.SCENARIOS[name] = ("article_7", name, function)
         try:
-            runs = run_experiment.run_all(["kills_its_worker", "idempotent_lost_ack", "after_ack"], jobs=2)
+            runs = run_experiment.run_all(list(added), jobs=2)
         finally:
-            del run_experiment.SCENARIOS["kills_its_worker"]
-        self.assertEqual({run.name: run.failures for run in runs}, {
-            "kills_its_worker": ["its worker died or failed before reporting (a traceback, if any, is above)"],
-            "idempotent_lost_ack": [], "after_ack": []})
+            for name in added:
+                del run_experiment.SCENARIOS[name]
+        self.assertEqual({run.name: (run.failures, run.stages) for run in runs}, {
+            "kills_its_worker": (["its worker died or failed before reporting (a traceback, if any, is above)"], {}),
+            "observes": ([], {"seen": {"pid_differs": True}}), "observes_too": ([], {"seen": {"pid_differs": True}})})
 
 class TortureTest(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
