@@ -63,7 +63,8 @@ def tearDownModule():
 
 def load_tests(loader, tests, pattern):
     """The tests that read the shared experiment run go last, so it runs while the others do."""
-    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, (Scenarios, CrashMatrix)) for test in suite)))
+    late = (Scenarios, CrashMatrix)
+    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, late) for test in suite)))
 
 
 class Case(unittest.TestCase):

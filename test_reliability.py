@@ -49,7 +49,8 @@ def tearDownModule():
 
 def load_tests(loader, tests, pattern):
     """The tests that read the shared experiment run go last, so it runs while the others do."""
-    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, (ScenarioTest, CrashMatrixTest, ReadmeTest)) for test in suite)))
+    late = (ScenarioTest, CrashMatrixTest, ReadmeTest)
+    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, late) for test in suite)))
 
 
 @contextlib.contextmanager
@@ -1640,7 +1641,6 @@ class ReviewFindingsTest(Case):
                          [("a", 0, False), ("b", 2, 2.0), ("c", [1], [True])])
         self.assertEqual(run_experiment.differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
 
-
     @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
     def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
         def kills_its_worker(run):
@@ -1660,6 +1660,7 @@ class ReviewFindingsTest(Case):
         self.assertEqual({run.name: (run.failures, run.stages) for run in runs}, {
             "kills_its_worker": (["its worker died or failed before reporting (a traceback, if any, is above)"], {}),
             "observes": ([], {"seen": {"pid_differs": True}}), "observes_too": ([], {"seen": {"pid_differs": True}})})
+
 
 class TortureTest(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork"), "the torture run forks its workers")
