@@ -387,7 +387,7 @@ def purge(connection, now, window):
 
 
 def _stored_response(connection, caller, key, digest, *, low_water=False):
-    """The replayable response stored for (caller, key), or None; with ``low_water``,
+    """The response the receipt for (caller, key) replays, or None; with ``low_water``,
     (response, low-water mark) from one read."""
     rows = connection.execute(_READ_RECEIPT_AND_MARK if low_water else _READ_RECEIPT, (caller, key)).fetchall()
     if not rows or rows[0][0] is None:
