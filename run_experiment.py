@@ -13,9 +13,18 @@
 Every scenario starts in a fresh temporary directory.  Crashes are real: a child
 process calls os._exit at a named boundary, and what survives is read back from
 the SQLite files by another process.  Results hold statuses, exit codes, counts,
-quantities and revisions only, so a rerun reproduces them byte for byte.
-Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage.
+quantities, revisions, digests and ids, never paths, pids or timings, so a rerun
+reproduces them byte for byte.  Each module is optional: with only reliability.py
+(article 1's download) or only preconditions.py (article 7's), only its scenarios
+run and only they are compared.
+Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted.
 """
+import sys
+
+if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpreter too old
+    sys.stderr.write(f"run_experiment.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
+    sys.exit(2)
+
 import argparse
 import contextlib
 import json
@@ -26,14 +35,19 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import traceback
 
-import preconditions
-import reliability
+try:  # article 1's download has only reliability.py, article 7's only preconditions.py
+    import reliability
+except ModuleNotFoundError:
+    reliability = None
+try:
+    import preconditions
+except ModuleNotFoundError:
+    preconditions = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
@@ -41,7 +55,7 @@ WATCHDOG = 15.0  # seconds: only stops a hung child, never paces a scenario
 CALLER, KEY = "agent", "ticket-1"
 PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
-SCENARIOS = {}  # name -> (article, description, function), in article order
+SCENARIOS = {}  # name -> (article, description, function), in article order, for the modules present
 HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was lost",
             "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
             "article_7": "Article 7: no duplicate execution, yet still wrong",
@@ -52,11 +66,12 @@ COVERS = {}  # (boundary, mode) -> the article scenario that already is that cra
 
 
 def scenario(article, description, cell=None):
-    """Register a scenario; ``cell=(boundary, mode)`` says it doubles as that matrix cell."""
+    """Register a scenario if its module is present; ``cell=(boundary, mode)`` says it doubles as that matrix cell."""
     def register(function):
-        SCENARIOS[function.__name__] = (article, description, function)
-        if cell:
-            COVERS[cell] = function.__name__
+        if (preconditions if article == "article_7" else reliability) is not None:
+            SCENARIOS[function.__name__] = (article, description, function)
+            if cell:
+                COVERS[cell] = function.__name__
         return function
     return register
 
@@ -66,7 +81,7 @@ def scenario(article, description, cell=None):
 # (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
 # about a millisecond instead of a fresh interpreter's ~50 ms.  --exec starts every
 # child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
-MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
+MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent
 USE_FORK = hasattr(os, "fork")
 JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
 
@@ -104,17 +119,18 @@ class ForkedChild:
         os.write(self._stdin, text.encode("utf-8"))
 
     def communicate(self, input=None, timeout=None):
+        """Bytes in, bytes out, as a binary subprocess.Popen's."""
         if self._stdin is not None:
             try:
                 if input:
-                    os.write(self._stdin, input.encode("utf-8"))  # requests are far below a pipe's buffer
+                    os.write(self._stdin, input)  # requests are far below a pipe's buffer
             except BrokenPipeError:
                 pass  # the child died before reading: its exit code tells
             self._close("_stdin")
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._stdout is not None:
             self._read(deadline)
-        output, self._buffer = self._buffer.decode("utf-8"), b""
+        output, self._buffer = self._buffer, b""
         self.wait()
         return output, None
 
@@ -151,8 +167,9 @@ def fork_start(module, argv, keep=()):
                 os.closerange(low, fd)
                 low = fd + 1
             os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-            # A sender child that calls a tool forks that tool child the same way.
-            reliability.start_child = start_tool
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
+            if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
+                reliability.start_child = start_tool
             sys.stdin = open(0, encoding="utf-8", closefd=False)
             sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
             random.seed()  # siblings must not share the parent's back-off sequence
@@ -171,15 +188,26 @@ def start(module, *args):
     if USE_FORK:
         return fork_start(MODULES[module], args)
     child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module), *args],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8")
-    child.readline = child.stdout.readline
-    child.send = lambda text: (child.stdin.write(text), child.stdin.flush())
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # bytes: UTF-8 whatever the locale
+    child.readline = lambda: child.stdout.readline().decode("utf-8")
+    child.send = lambda text: (child.stdin.write(text.encode("utf-8")), child.stdin.flush())
     return child
 
 
 def start_tool(argv):
     """The launcher reliability.call_tool uses for the driver's in-process sender."""
     return start("reliability.py", *argv)
+
+
+def tool_launcher(crash=None, naive=False):
+    """A launcher whose tool child dies at ``crash`` (its own CLI's --crash), or whose receiver
+    is the UNSAFE one without receipts: the sender's protocol is the same either way."""
+    def launch(argv):
+        argv = list(argv)
+        if naive:
+            argv[1] = "unsafe-receive"
+        return start_tool(argv + (["--crash", crash] if crash else []))
+    return launch
 
 
 def start_batch(commands):
@@ -199,12 +227,12 @@ def start_batch(commands):
 def finish(child, stdin_text=None):
     """Wait for a child (killing it at the watchdog); return (exit code, stdout lines)."""
     try:
-        output, _ = child.communicate(stdin_text, timeout=WATCHDOG)
+        output, _ = child.communicate(stdin_text and stdin_text.encode("utf-8"), timeout=WATCHDOG)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
         raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
-    return child.wait(), output.splitlines()
+    return child.wait(), output.decode("utf-8").splitlines()
 
 
 def run_child(module, *args, stdin_text=None):
@@ -291,7 +319,8 @@ def start_all(names, jobs=JOBS):
     pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
                "workers": [], "runs": None}
     try:
-        reliability.init(os.path.join(pending["base"], "template"))
+        if reliability is not None:
+            reliability.init(os.path.join(pending["base"], "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
             pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
         else:
@@ -370,6 +399,7 @@ def fork_json(function, *args):
         code = 1
         try:
             os.close(reader)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
             random.seed()  # siblings must not share the parent's back-off sequence
             with os.fdopen(writer, "w", encoding="utf-8") as pipe:
                 json.dump(function(*args), pipe)
@@ -431,9 +461,12 @@ def observe(run, stage, exit_codes=()):
 
 
 def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
+    """The intent; modes "naive" and "mark_before" are idempotent intents that an UNSAFE
+    receiver or an UNSAFE sender will handle."""
     connection = _open(run, reliability.SENDER)
     try:
-        status = reliability.enqueue(connection, CALLER, KEY, payload, mode=mode)
+        status = reliability.enqueue(connection, CALLER, KEY, payload, now=0,
+                                     mode="external" if mode == "external" else "idempotent")
     finally:
         connection.close()
     run.mode = mode
@@ -441,20 +474,22 @@ def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
     return status
 
 
-def dispatch(run, now, fault=None, lane="sender"):
-    """The driver as the sender: claim, call the tool child, record; returns the child's exit codes."""
+def dispatch(run, now, crash=None, lane="sender"):
+    """The driver as the sender: claim, call the tool child (dying at ``crash``), record;
+    returns the child's exit codes."""
     connection = _open(run, reliability.SENDER)
     try:
-        result = reliability.dispatch(connection, run.root, now, fault=fault, start=start_tool)
+        result = reliability.dispatch(connection, run.root, now,
+                                      start=tool_launcher(crash, naive=run.mode == "naive"))
     finally:
         connection.close()
     if result is None:
         run.log(lane, f"tick {now}: nothing due, nothing sent")
         return []
     run.log(lane, f"tick {now}: claimed attempt {result['attempt']} and called the tool")
-    if fault in reliability.CHILD_BOUNDARIES:
-        run.log("child", f"tool child ran to {fault} and exited {result['exit_code']}")
-        run.inject(f"{fault} (exit {result['exit_code']})")
+    if crash:
+        run.log("child", f"tool child ran to {crash} and exited {result['exit_code']}")
+        run.inject(f"{crash} (exit {result['exit_code']})")
     else:
         run.log("child", f"tool child answered and exited {result['exit_code']}")
     response = result["response"]
@@ -464,11 +499,11 @@ def dispatch(run, now, fault=None, lane="sender"):
     return [result["exit_code"]]
 
 
-def sender_child(run, *args, fault):
-    """A sender that dies for real: the module's own CLI in a child process."""
-    code, _ = run_child("reliability.py", args[0], run.root, *args[1:], "--fault", fault)
-    run.log("sender", f"sender process ran {args[0]} to {fault} and exited {code}")
-    run.inject(f"{fault} (exit {code})")
+def sender_child(run, *args, crash):
+    """A sender that dies for real: the module's own CLI in a child process, --crash at a boundary."""
+    code, _ = run_child("reliability.py", args[0], run.root, *args[1:], "--crash", crash)
+    run.log("sender", f"sender process ran {args[0]} to {crash} and exited {code}")
+    run.inject(f"{crash} (exit {code})")
     return [code]
 
 
@@ -492,7 +527,8 @@ def naive_lost_ack(run):
           cell=("after_mark_before_send", "mark_before"))
 def mark_before_send_loses_task(run):
     enqueue(run, "mark_before")
-    observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_mark_before_send"))
+    observe(run, "after_crash", sender_child(run, "unsafe-dispatch-mark-before", "--now", 0,
+                                             crash="after_mark_before_send"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("sender state and tickets", (final["sender_state"], final["receiver_tickets"]), ("done", 0))
 
@@ -526,9 +562,10 @@ def after_intent_commit(run):
     enqueue_crash(run, "after_intent_commit", kept=("pending", 1), retry="duplicate")
 
 
-def enqueue_crash(run, fault, kept, retry):
-    """enqueue dies at ``fault``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's answer."""
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), fault=fault))
+def enqueue_crash(run, boundary, kept, retry):
+    """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's answer."""
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
+                                                     crash=boundary))
     run.expect("what the crash kept", (first["sender_state"], first["intent_rows"]), kept)
     run.expect("retry status", recover_once(run, first), retry)
 
@@ -537,7 +574,7 @@ def enqueue_crash(run, fault, kept, retry):
           cell=("after_claim", "idempotent"))
 def after_claim(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_claim"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_claim"))
     early = observe(run, "before_lease_expiry", dispatch(run, 9, lane="recovery"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     run.expect("lease holds until tick 10", (first["attempts"], early["attempts"]), (1, 1))
@@ -569,7 +606,7 @@ def after_response_write(run):
           cell=("after_response_before_ack", "idempotent"))
 def after_response_before_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_response_before_ack"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_response_before_ack"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     run.expect("ticket committed, not recorded", (first["sender_state"], first["receiver_tickets"]), ("inflight", 1))
     run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"],
@@ -580,7 +617,7 @@ def after_response_before_ack(run):
           cell=("after_ack", "idempotent"))
 def after_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, fault="after_ack"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_ack"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("done before the crash", first["sender_state"], "done")
     run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
@@ -592,7 +629,7 @@ def mismatched_payload(run):
     observe(run, "after_delivery", dispatch(run, 0))
     changed = dict(PAYLOAD, title="A different ticket")
     answer, code = reliability.call_tool(run.root, {"caller": CALLER, "key": KEY, "mode": "idempotent",
-                                                    "payload": changed}, start=start_tool)
+                                                    "payload": changed, "issued_at": 0, "now": 0}, start=start_tool)
     run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
     run.inject("same key, other payload")
     final = observe(run, "after_mismatch", [code])
@@ -638,7 +675,7 @@ def concurrent_claim(run):
 
 @scenario("article_1", "8 receiver processes get the same request: one ticket, one receipt, one answer")
 def concurrent_receiver(run):
-    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD}) + "\n"
+    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD, "issued_at": 0, "now": 0}) + "\n"
     database = os.path.join(run.root, reliability.RECEIVER)
     observe(run, "before_race")
     children = start_batch([("reliability.py", "serve", "receive", database)] * 8)
@@ -653,9 +690,9 @@ def concurrent_receiver(run):
     run.expect("outcome", (final["receiver_tickets"], final["receiver_receipts"], len(responses)), (1, 1, 1))
 
 
-def external_crash(run, fault):
+def external_crash(run, boundary):
     enqueue(run, "external")
-    first = observe(run, "after_crash", dispatch(run, 0, fault))
+    first = observe(run, "after_crash", dispatch(run, 0, boundary))
     run.expect("unknown, not retried", first["sender_state"], "unknown")
     return first
 
@@ -808,7 +845,7 @@ def transfer_start(run, **resources):
 def execute(run, op, command=PLAN, lane="parent"):
     connection = preconditions.connect(run.db)
     try:
-        result = preconditions.execute(connection, op, command)
+        result = preconditions.execute(connection, op, command, issued_at=0, now=0)
     finally:
         connection.close()
     run.log(lane, f"execute {op} expecting {command['expected']}: {result['status']}")
@@ -816,9 +853,11 @@ def execute(run, op, command=PLAN, lane="parent"):
 
 
 def change(run, name, delta, lane="parent", inject=True):
+    """Another business write, under an op id of its own."""
+    run.changes = getattr(run, "changes", 0) + 1
     connection = preconditions.connect(run.db)
     try:
-        result = preconditions.change(connection, name, delta)
+        result = preconditions.change(connection, f"change-{run.changes}", name, delta, issued_at=0, now=0)
     finally:
         connection.close()
     run.log(lane, f"another write: {name} {delta:+d}")
@@ -857,7 +896,7 @@ def unsafe_check_then_act(run):
 @scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
 def safe_stale_rejected(run):
     transfer_start(run)
-    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--wait")
+    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0, "--wait")
     final = transfer_state(run, "after_go", status=result["status"], observed=result.get("observed"),
                            exit_code=code)
     run.expect("handshake", ready, "READY")
@@ -906,14 +945,15 @@ def aba_revision(run):
 
 @scenario("article_7", "os._exit at three boundaries (71, 72, 73); each retry from a new process")
 def crash_points(run):
-    for boundary in preconditions.BOUNDARIES:
+    for boundary in preconditions.EXIT_CODES:
         run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
         transfer_start(run)
-        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", boundary)
+        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+                            "--crash", boundary)
         run.log("executor", f"child ran to {boundary} and exited {code}")
         run.inject(f"{boundary} (exit {code})")
         crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
-        retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+        retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
         run.log("retry", f"new process retries job-1: {retry['status']}")
         final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"], exit_code=retry_code)
         run.expect(f"{boundary} exit code", code, preconditions.EXIT_CODES[boundary])
@@ -928,11 +968,12 @@ def crash_points(run):
 def stale_rejection_durable(run):
     transfer_start(run)
     change(run, "B", 2)
-    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", "after_commit")
+    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+                        "--crash", "after_commit")
     run.log("executor", f"child stored its stale rejection and exited {code}")
     run.inject(f"after_commit (exit {code})")
     transfer_state(run, "after_crash", exit_code=code)
-    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
     stored = retry.get("result", {}).get("status")
     run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
     final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored, exit_code=retry_code)
@@ -946,7 +987,7 @@ def trigger_faults(run):
     triggers = {
         "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B'"
                               " BEGIN SELECT RAISE(ABORT, 'injected destination fault'); END",
-        "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipts"
+        "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipt"
                           " BEGIN SELECT RAISE(ABORT, 'injected receipt fault'); END",
     }
     for where, sql in triggers.items():
@@ -954,7 +995,7 @@ def trigger_faults(run):
         try:
             connection.execute(sql)
             try:
-                preconditions.execute(connection, "job-1", PLAN)
+                preconditions.execute(connection, "job-1", PLAN, issued_at=0, now=0)
                 error = None
             except sqlite3.DatabaseError as caught:
                 error = type(caught).__name__
@@ -978,7 +1019,7 @@ def race_in_threads(db, ops):
         connection = preconditions.connect(db)
         try:
             for op in mine:
-                status = preconditions.execute(connection, op, PLAN)["status"]
+                status = preconditions.execute(connection, op, PLAN, issued_at=0, now=0)["status"]
                 with lock:
                     statuses.append(status)
         finally:
@@ -1038,28 +1079,27 @@ def undeclared_dependency(run):
 # --- the crash matrix: every boundary of both modules, every mode it applies to -------
 
 def matrix_modes(boundary):
-    """Modes in which a reliability.py boundary is reached, from the module's own groups."""
-    if boundary == "after_mark_before_send":
-        return ("mark_before",)
-    if boundary in reliability.RECEIVER_BOUNDARIES:
-        return ("idempotent", "naive")
-    if boundary in reliability.EXTERNAL_BOUNDARIES:
-        return ("external",)
-    return ("idempotent", "naive", "external")  # enqueue and the sender's dispatch
+    """The deliveries in which a reliability.py boundary is reached, from the process that owns it:
+    the idempotent receiver and the external tool, and the UNSAFE baselines where they own it."""
+    return {"enqueue": ("idempotent", "external"), "dispatch": ("idempotent", "external"),
+            "receiver": ("idempotent", "naive"), "external": ("external",),
+            "unsafe-dispatch-mark-before": ("mark_before",)}[reliability.BOUNDARIES[boundary]]
 
 
 def delivery_cell(run, boundary, mode):
     """Crash at ``boundary`` in a real process, recover from this one at tick 11, observe."""
     fresh_root(run, os.path.join(run.dir, mode))
-    if boundary in reliability.ENQUEUE_BOUNDARIES:
-        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--mode", mode, fault=boundary)
+    owner = reliability.BOUNDARIES[boundary]
+    if owner == "enqueue":
+        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0, "--mode", mode,
+                             crash=boundary)
         enqueue(run, mode, lane="recovery")  # the upstream caller retries with the same key
     else:
         enqueue(run, mode)
-        if boundary in reliability.CHILD_BOUNDARIES:
+        if owner in ("receiver", "external"):
             codes = dispatch(run, 0, boundary)
         else:
-            codes = sender_child(run, "dispatch", "--now", 0, fault=boundary)
+            codes = sender_child(run, owner, "--now", 0, crash=boundary)
     dispatch(run, 11, lane="recovery")
     run.stages[mode] = as_cell(mode, codes, observe(run, f"{mode}", codes))
     expect_cell(run, mode, run.stages[mode])
@@ -1093,9 +1133,10 @@ def transfer_cell(run, boundary, kind):
     transfer_start(run)
     if kind == "stale":
         change(run, "B", 2)
-    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--fault", boundary)
+    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+                        "--crash", boundary)
     crashed = transfer_state(run, f"{kind}.crashed")
-    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN))
+    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
     stored = retry.get("result", retry)["status"]
     final = transfer_state(run, f"{kind}.retried")
     del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
@@ -1103,7 +1144,7 @@ def transfer_cell(run, boundary, kind):
                         "retry": retry["status"], "outcome": stored, "effects": final["effects"]}
     run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
     committed = boundary == "after_commit"
-    run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"]),
+    run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"] - (kind == "stale")),
                (int(committed and kind == "fresh"), int(committed)))
     run.expect(f"{kind}: the retry answers", (retry_code, retry["status"], stored),
                (0, "replayed" if committed else stored, "applied" if kind == "fresh" else "stale"))
@@ -1117,7 +1158,7 @@ def _matrix_scenario(function, boundary, variants):
     return cells
 
 
-for _boundary in reliability.BOUNDARIES:
+for _boundary in (reliability.BOUNDARIES if reliability is not None else ()):
     # A cell an article scenario already is comes from that run (see merge_cells), not a second one.
     SCENARIOS[f"reliability/{_boundary}"] = (
         "crash_matrix", f"crash at {_boundary}: " + ", ".join(matrix_modes(_boundary)),
@@ -1145,7 +1186,7 @@ def merge_cells(runs):
             order = matrix_modes(run.name.split("/", 1)[1])
             run.stages = {mode: run.stages[mode] for mode in order if mode in run.stages}
     return runs
-for _boundary in preconditions.BOUNDARIES:
+for _boundary in (preconditions.EXIT_CODES if preconditions is not None else ()):
     # Only the commit of a stored rejection passes after_commit on the stale path.
     _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
     SCENARIOS[f"preconditions/{_boundary}"] = (
@@ -1154,11 +1195,14 @@ for _boundary in preconditions.BOUNDARIES:
 
 
 # --- torture: kill -9 at random moments ---------------------------------------------------
-# Forked workers do random mixed work on both modules in one directory while this
-# single-threaded process SIGKILLs one of them at random moments and restarts it on the
-# operation it was doing, with the same keys.  Then every invariant is checked from the
-# databases alone.  Timing makes every run different, so none of it goes into results.json.
+# Forked workers do random mixed work on both modules in one directory and are SIGKILLed,
+# then restarted on the operation they were doing, with the same keys.  Then every
+# invariant is checked from the databases alone.  --torture SECONDS kills at random
+# moments for that long (timing makes every run different, so none of it goes into
+# results.json); torture(operations=N) gives each worker a fixed, seeded list of N
+# operations and of the points where it SIGKILLs itself, so what ran is determined.
 TORTURE_WORKERS = 4
+TORTURE_SELF_KILL = 0.15  # torture(operations=N): the share of operations a worker dies in, by SIGKILL
 TORTURE_KILL_PAUSE = 0.1  # seconds: the killer waits uniformly up to this before each kill
 TORTURE_TICKS = 100       # logical ticks a second, so a lease (LEASE_TICKS) lasts 0.1 s
 TORTURE_GRACE = 5.0       # seconds after the deadline for workers and their tool children to end
@@ -1172,6 +1216,13 @@ def _torture_op(seed, index, n):
     """Operation n of a worker: the same kind and parameters however often it is redone."""
     rng = random.Random(f"{seed}/{index}/{n}")
     return rng.choices(list(TORTURE_WORK), list(TORTURE_WORK.values()))[0], rng
+
+
+def _torture_kill_point(seed, index, n):
+    """Where worker ``index`` SIGKILLs itself in operation ``n`` of a fixed run: None, "before"
+    (journaled, not begun) or "after" (done, not yet reported)."""
+    rng = random.Random(f"{seed}/{index}/{n}/kill")
+    return rng.choice(("before", "after")) if rng.random() < TORTURE_SELF_KILL else None
 
 
 def _torture_file(base, index, name):
@@ -1201,12 +1252,13 @@ def _torture_tool(alive):
     return lambda argv: fork_start(reliability, argv, keep=(alive,))
 
 
-def _torture_worker(base, index, seed, started, deadline, alive):
+def _torture_worker(base, index, seed, started, deadline, alive, operations=None):
     """One life of a worker: redo the journal's last operation with its keys (and plan), then go on.
 
     The journal line is written before the operation, so a restart cannot tell whether it
-    finished and does it again; the protocols must make that harmless.  change() has no op
-    id, so a change redone after a kill may count twice, which no invariant here can see.
+    finished and does it again; the protocols must make that harmless.  With
+    ``operations``, it stops after that many and SIGKILLs itself at the seeded kill points
+    (not again when it redoes an operation after such a death).
     """
     entries = _torture_lines(_torture_file(base, index, "journal"), repair=True)
     _torture_lines(_torture_file(base, index, "reported"), repair=True)
@@ -1216,11 +1268,14 @@ def _torture_worker(base, index, seed, started, deadline, alive):
     sender = reliability.connect(os.path.join(base, reliability.SENDER))
     transfer = preconditions.connect(os.path.join(base, TORTURE_DB))
     caller = f"worker-{index}"
-    while resuming or time.monotonic() < deadline:
+    while resuming or (n < operations if operations is not None else time.monotonic() < deadline):
         kind, rng = _torture_op(seed, index, n)
         now = int((time.monotonic() - started) * TORTURE_TICKS)  # one clock for all the processes
+        kill = None if operations is None or resuming else _torture_kill_point(seed, index, n)
         if not resuming:
             _torture_note(journal, {"n": n, "kind": kind})
+        if kill == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
         if kind == "enqueue":
             reliability.enqueue(sender, caller, f"op-{n}", {"worker": index, "op": n}, now=now)
         elif kind == "dispatch":
@@ -1232,12 +1287,15 @@ def _torture_worker(base, index, seed, started, deadline, alive):
             m = rng.randrange(n + 1)
             m = m if _torture_op(seed, index, m)[0] == "enqueue" else n
             receiver = reliability.connect(os.path.join(base, reliability.RECEIVER))
-            response = reliability.receive(receiver, caller, f"op-{m}", {"worker": index, "op": m}, now=now)
+            response = reliability.receive(receiver, caller, f"op-{m}", {"worker": index, "op": m},
+                                           issued_at=now, now=now)
             receiver.close()  # before a dispatch forks a tool child that opens this file
             _torture_note(reported, response)
         elif kind == "change":
             name, delta = rng.choice(sorted(TORTURE_RESOURCES)), rng.choice((-1, 1)) * rng.randint(1, 9)
-            preconditions.change(transfer, name, delta)
+            op = f"{caller}/op-{n}"
+            _torture_note(reported, {"op": op, "kind": kind, "result": preconditions.change(
+                transfer, op, name, delta, issued_at=now, now=now)})
         else:
             if plan is None:  # journaled before it runs: a retry must send the same command
                 src, dst = rng.sample(sorted(TORTURE_RESOURCES), 2)
@@ -1249,14 +1307,16 @@ def _torture_worker(base, index, seed, started, deadline, alive):
                 _torture_note(journal, {"n": n, "kind": kind, "plan": plan})
             op = f"{caller}/op-{n}"
             _torture_note(reported, {"op": op, "kind": kind,
-                                     "result": preconditions.execute(transfer, op, plan, now=now)})
+                                     "result": preconditions.execute(transfer, op, plan, issued_at=now, now=now)})
+        if kill == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
         n, plan, resuming = n + 1, None, False
     sender.close()  # after an exception the process just ends, as it would under SIGKILL
     transfer.close()
     return 0
 
 
-def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write):
+def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write, operations=None):
     sys.stdout.flush()  # or the worker, which flushes before each fork, would print it again
     sys.stderr.flush()
     pid = os.fork()
@@ -1264,8 +1324,9 @@ def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write
         code = 1
         try:
             os.close(alive_read)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
             random.seed()  # siblings must not share the back-off sequence
-            code = _torture_worker(base, index, seed, started, deadline, alive_write)
+            code = _torture_worker(base, index, seed, started, deadline, alive_write, operations)
         except BaseException as error:
             with open(_torture_file(base, index, "error"), "w", encoding="utf-8") as handle:
                 handle.write(f"{type(error).__name__}: {error}")
@@ -1285,14 +1346,16 @@ def _torture_reap(base, index, pid, violations):
     return code
 
 
-def torture(seconds, seed=None, directory=None):
+def torture(seconds=None, seed=None, directory=None, operations=None):
     """SIGKILL workers at random for ``seconds``, restart them, recover, then check every invariant.
 
-    Returns {"seconds", "seed", "workers", "sqlite", "elapsed", "operations" (by kind, each
-    counted once however often it was redone), "kills", "restarts", "final" (counts read
-    from the databases), "violations"}: one string per broken invariant, empty when all
-    hold.  The keys never depend on the run; the seed fixes the work and the kill times,
-    not the interleaving.  Its files live in a temporary folder under ``directory``.
+    With ``operations`` instead, each worker does exactly that many seeded operations and
+    SIGKILLs itself at the seeded kill points, so the work and the kills are determined
+    by the seed; only the interleaving is not.  Returns {"seconds", "seed", "workers",
+    "sqlite", "elapsed", "operations" (by kind, each counted once however often it was
+    redone), "kills", "restarts", "final" (counts read from the databases),
+    "violations"}: one string per broken invariant, empty when all hold.  Its files live
+    in a temporary folder under ``directory``.
     """
     seed = random.SystemRandom().randrange(2 ** 32) if seed is None else seed
     rng, violations, pids, kills, restarts = random.Random(seed), [], {}, 0, 0
@@ -1302,10 +1365,15 @@ def torture(seconds, seed=None, directory=None):
         reliability.init(base)
         preconditions.init(os.path.join(base, TORTURE_DB), TORTURE_RESOURCES)
         started = time.monotonic()
-        spawn = lambda index: _torture_spawn(base, index, seed, started, started + seconds, alive_read, alive_write)
+        spawn = lambda index: _torture_spawn(base, index, seed, started, started + (seconds or 0), alive_read,
+                                             alive_write, operations)
         for index in range(TORTURE_WORKERS):
             pids[index] = spawn(index)
-        while True:
+        for index in range(TORTURE_WORKERS) if operations is not None else ():
+            while _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
+                kills, restarts = kills + 1, restarts + 1  # it died at one of its kill points
+                pids[index] = spawn(index)
+        while operations is None:
             pause, index = rng.uniform(0, TORTURE_KILL_PAUSE), rng.randrange(TORTURE_WORKERS)
             if time.monotonic() + pause >= started + seconds:
                 break
@@ -1366,9 +1434,9 @@ def _torture_check(base, violations):
         receipts = read(reliability.RECEIVER, "SELECT caller, key, ticket_id FROM receipts")
         outbox = read(reliability.SENDER, "SELECT caller, key, state, response FROM outbox")
         requests = read(reliability.SENDER, "SELECT count(*) FROM requests")[0][0]
-        stored = {op: json.loads(result) for op, result in read(TORTURE_DB, "SELECT op, result FROM receipts")}
+        stored = {op: json.loads(result) for op, result in read(TORTURE_DB, "SELECT op, result FROM receipt")}
         effects = read(TORTURE_DB, "SELECT op, src, dst, amount FROM effects")
-        changes = read(TORTURE_DB, "SELECT name, delta FROM changes")
+        changes = read(TORTURE_DB, "SELECT op, name, delta FROM changes")
         resources = read(TORTURE_DB, "SELECT name, quantity, revision FROM resources ORDER BY name")
     finally:
         for connection in opened.values():
@@ -1380,7 +1448,7 @@ def _torture_check(base, violations):
         if len(ids) > 1 or receipts.get((caller, key)) != ids[0]:
             violations.append(f"{caller}/{key} has tickets {ids}, its receipt names "
                               f"{receipts.get((caller, key))}")
-    states = dict.fromkeys(reliability.STATES, 0)
+    states = dict.fromkeys(("pending", "inflight", "done", "unknown", "blocked", "abandoned"), 0)
     for caller, key, state, response in outbox:
         states[state] += 1
         ticket = json.loads(response)["ticket_id"] if state == "done" else None
@@ -1404,9 +1472,11 @@ def _torture_check(base, violations):
             violations.append(f"reported {entry['op']} {result['status']}, stored {stored.get(entry['op'])}")
         elif entry["kind"] == "execute_stale" and result["status"] != "stale":
             violations.append(f"stale plan {entry['op']} was {result['status']}")
-    applied = {op for op, result in stored.items() if result["status"] == "applied"}
-    for op in sorted(applied ^ {op for op, _, _, _ in effects}):
-        violations.append(f"{op}: " + ("applied receipt, no effect" if op in applied else "effect, no receipt"))
+    for status, rows in (("applied", effects), ("changed", changes)):  # exactly once: one row per such receipt
+        done = {op for op, result in stored.items() if result["status"] == status}
+        for op in sorted(done ^ {row[0] for row in rows}):
+            violations.append(f"{op}: " + (f"{status} receipt, no row" if op in done else "a row, no receipt"))
+    changes = [(name, delta) for _, name, delta in changes]
     for name, quantity, revision in resources:
         writes = sum(name in (src, dst) for _, src, dst, _ in effects) + sum(n == name for n, _ in changes)
         flow = sum(amount * ((dst == name) - (src == name)) for _, src, dst, amount in effects)
@@ -1419,7 +1489,7 @@ def _torture_check(base, violations):
     expected = sum(TORTURE_RESOURCES.values()) + sum(delta for _, delta in changes)
     if total != expected:
         violations.append(f"total quantity {total} is not the initial total + sum(changes.delta) = {expected}")
-    statuses = dict.fromkeys(("applied", "stale", "insufficient", "missing_resource", "overflow"), 0)
+    statuses = dict.fromkeys(("applied", "stale", "insufficient", "missing_resource", "overflow", "changed"), 0)
     for result in stored.values():
         statuses[result["status"]] = statuses.get(result["status"], 0) + 1
     return {"requests": requests, "outbox": states, "tickets": len(tickets), "receipts": len(receipts),
@@ -1510,7 +1580,7 @@ def summary(run, arrow="->"):
 def versions(out):
     """Where this ran, for the reader: on stderr only, never in the results."""
     print(f"Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}", file=out)
-    if reliability.wal_reset_bug():
+    if (reliability or preconditions).wal_reset_bug():
         print(f"warning: SQLite {sqlite3.sqlite_version} has the WAL-reset race (3.7.0 to 3.51.2; fixed in "
               "3.51.3, 3.50.7, 3.44.6). These experiments reproduce anyway, but see README.md before you "
               "run many writers on it in production.", file=out)
@@ -1527,6 +1597,38 @@ def marks(stream=None):
 
 
 def main(argv=None):
+    """The command line; Ctrl-C prints one line and exits 130 (children end quietly)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("run_experiment.py: interrupted", file=sys.stderr)
+        return 130
+
+
+def _usable(args):
+    """Refuse, before any scenario runs, an --output or a --check file that cannot be used:
+    one line on stderr and exit status 2."""
+    def refuse(message):
+        print(f"run_experiment.py: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    if reliability is None and preconditions is None:
+        refuse("neither reliability.py nor preconditions.py is next to this script")
+    if args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) \
+                or (os.path.exists(args.output) and not os.access(args.output, os.W_OK)):
+            refuse(f"--output {args.output}: not a writable file path")
+    if args.check:
+        try:
+            with open(args.check, encoding="utf-8") as handle:
+                args.expected = json.load(handle)
+        except (OSError, ValueError) as error:
+            refuse(f"--check {args.check}: cannot read it as JSON ({error})")
+        if type(args.expected) is not dict:
+            refuse(f"--check {args.check}: not a results object")
+
+
+def _main(argv):
     parser = argparse.ArgumentParser(
         prog="run_experiment.py", description=__doc__.split("\n")[0],
         epilog="exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage")
@@ -1543,6 +1645,7 @@ def main(argv=None):
                         help="kill -9 random workers for SECONDS, then check every invariant (never in results.json)")
     parser.add_argument("--seed", type=int, metavar="N", help="with --torture: fixes the work and the kill times")
     args = parser.parse_args(argv)
+    _usable(args)
     global USE_FORK
     USE_FORK = USE_FORK and not args.exec
     if args.torture is None and args.seed is not None:
@@ -1554,6 +1657,8 @@ def main(argv=None):
             parser.error("--torture needs a positive number of seconds")
         if not hasattr(os, "fork"):
             parser.error("--torture forks its workers: it needs os.fork (POSIX)")
+        if reliability is None or preconditions is None:
+            parser.error("--torture works both modules: it needs reliability.py and preconditions.py")
         versions(sys.stderr)
         report = torture(args.torture, args.seed)
         print_torture(report)
@@ -1599,15 +1704,10 @@ def main(argv=None):
         sys.stdout.write(render(results))
     status = 1 if failed else 0
     if args.check:
-        try:
-            with open(args.check, encoding="utf-8") as handle:
-                expected = json.load(handle)
-        except (OSError, ValueError) as error:
-            print(f"cannot read {args.check}: {error}", file=out)
-            return 1
-        if args.only:
-            expected = {a: {n: s for n, s in v.items() if n in names} for a, v in expected.items()}
-            expected = {a: v for a, v in expected.items() if v}
+        # Only what ran is compared: --only, or a download with one of the two modules.
+        expected = {a: {n: s for n, s in v.items() if n in names} for a, v in args.expected.items()
+                    if isinstance(v, dict)}
+        expected = {a: v for a, v in expected.items() if v}
         diffs = differences(expected, results)
         for key, want, got in diffs:
             print(f"  differs: {key}: expected {json.dumps(want)}, observed {json.dumps(got)}", file=out)
