@@ -27,8 +27,8 @@ import os
 import sqlite3
 from contextlib import contextmanager
 
-__all__ = ["execute", "change", "purge", "connect", "init", "snapshot", "transaction",
-           "unsafe_check_then_act", "wal_reset_bug"]
+__all__ = ["execute", "history", "change", "purge", "connect", "init", "snapshot", "transaction",
+           "wal_reset_bug"]
 
 # 第七篇 §6: the named crash boundaries and the exit code of each.
 EXIT_CODES = {"after_source_update": 71, "before_commit": 72, "after_commit": 73}

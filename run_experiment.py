@@ -1732,4 +1732,6 @@ def explain(run):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C after the verdict changes nothing
+    sys.exit(status)
