@@ -173,10 +173,12 @@ def purge(c, now, window):
     check_ticks(0, now)
     _check_int(window, "window", 1, MAX_TICK)
     mark = now - window
+    if mark < 0:
+        raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")
     with transaction(c):
         low_water = c.execute("SELECT low_water FROM retention").fetchone()[0]
         if mark < low_water:
-            raise ValueError(f"the low-water mark is {low_water}; {mark} would move it backwards")
+            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would move it backwards")
         deleted = c.execute("DELETE FROM receipt WHERE tick < ?", (mark,)).rowcount
         c.execute("UPDATE retention SET low_water = ?", (mark,))
     return {"deleted": deleted, "low_water": mark}
@@ -184,9 +186,10 @@ def purge(c, now, window):
 
 def _expired(c, op, issued_at):
     # No receipt, but it may have been purged: an op issued before the mark, or one
-    # whose effect survives its receipt, is a decision already made.
+    # whose effect or change row survives its receipt, is a decision already made.
     low_water, acted = c.execute("SELECT low_water, EXISTS (SELECT 1 FROM effects WHERE op = ?)"
-                                 " FROM retention", (op,)).fetchone()
+                                 " OR EXISTS (SELECT 1 FROM changes WHERE op = ?) FROM retention",
+                                 (op, op)).fetchone()
     if acted or issued_at < low_water:
         return {"status": "expired", "low_water": low_water}
 

@@ -821,7 +821,7 @@ def main(argv=None):
     global CRASH_AT
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # parsed by hand: a child starts per tool call, so start-up is its cost
-        owner = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}.get(argv[1:2] and argv[1])
+        owner = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}.get(argv[1] if len(argv) > 1 else "")
         crash = argv[4:] if argv[3:4] == ["--crash"] else []
         if len(argv) != 3 + 2 * bool(crash) or owner is None or (crash and BOUNDARIES.get(crash[0]) != owner):
             sys.stderr.write("usage: reliability.py serve {receive,external,unsafe-receive} DB"
@@ -830,7 +830,7 @@ def main(argv=None):
         CRASH_AT = crash[0] if crash else None
         try:
             line = _serve(argv[1], argv[2], sys.stdin.buffer.readline())
-        except (ValueError, TypeError, OSError, sqlite3.Error, CorruptRecord) as error:
+        except (KeyError, ValueError, TypeError, OSError, sqlite3.Error, CorruptRecord) as error:
             sys.stderr.write(f"reliability.py serve: {type(error).__name__}: {error}\n")
             return 1
         sys.stdout.buffer.write(line + b"\n")

@@ -1,58 +1,139 @@
-"""Tests for preconditions.py: real SQLite files, real child processes.
+"""Tests for preconditions.py (第七篇《没有重复执行，为什么还是办错了？》): real SQLite files, real processes.
 
-Run: python3 -m unittest test_preconditions   (also under -X dev -W error)
+Grouped by the article's sections, in its order, then what goes beyond article 7, then the
+tests that read the shared experiment run (they go last, so it runs meanwhile).  Run:
+python3 test_preconditions.py, or python3 -X dev -W error -m unittest test_preconditions.
+Standard library only; reliability.py is never imported (article 7's download lacks it).
 """
-import contextlib
-import hashlib
-import io
-import json
 import os
+import sys
+
+if sys.version_info < (3, 9):  # one clear line (unittest would turn SystemExit into a traceback)
+    sys.stderr.write("test_preconditions.py needs Python 3.9 or newer; this is %s\n" % sys.version.split()[0])
+    sys.stderr.flush()
+    os._exit(2)
+
+import ast
+import collections
+import hashlib
+import importlib.util
+import inspect
+import json
 import re
 import shutil
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 import unittest
-from unittest import mock
 
 import preconditions as pre
 import run_experiment
 
-MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preconditions.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODULE = os.path.join(HERE, "preconditions.py")
 WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
-START = {"A": {"quantity": 10, "revision": 1}, "B": {"quantity": 0, "revision": 1}}
+START = ({"A": (10, 1), "B": (0, 1)}, 0, 0)  # (name: (quantity, revision)), effects, receipts
 APPLIED = {"status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}}
+AFTER_APPLIED = ({"A": (7, 2), "B": (3, 2)}, 1, 1)
+# 第七篇 §2, verbatim: the receipt query and what it answers.
+ARTICLE_HISTORY = """old = c.execute(
+    'SELECT digest,result FROM receipt WHERE op=?', (op,)
+).fetchone()
+if old:
+    if old[0] != digest:
+        return {'status': 'conflict'}
+    return {'status': 'replayed', 'result': json.loads(old[1])}"""
+# 第一篇: the transaction wrapper both modules use, line for line.
+ARTICLE_TRANSACTION = """@contextmanager
+def transaction(connection):
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise"""
+KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks", "transaction",
+       "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH", "MAX_AMOUNT", "MAX_INT64",
+       "MAX_TICK", "_dumps"]
+KIT_IMPORTS = "import hashlib\nimport json\nimport os\nimport sqlite3\nfrom contextlib import contextmanager\n"
+TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_create", "wal_reset_bug"]
 
 
 def plan(a=1, b=1, amount=3, src="A", dst="B"):
     return {"src": src, "dst": dst, "amount": amount, "expected": {src: a, dst: b}}
 
 
+def digest_of(command):
+    text = json.dumps(command, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def child(*args):
-    """argv for a child exactly as the experiment driver starts it."""
-    return [sys.executable, "-I", "-S", MODULE, *args]
+    """argv for a child exactly as the experiment driver's --exec mode starts it."""
+    return [sys.executable, "-I", "-S", MODULE, *map(str, args)]
 
 
-def snapshot_of(path):
-    """Snapshot from a fresh connection: what a recovering reader sees."""
-    connection = pre.connect(path)
-    try:
-        return pre.snapshot(connection)
-    finally:
-        connection.close()
+def run_child(argv, stdin=b"", **options):
+    """(exit code, stdout, stderr): the child's bytes decoded as UTF-8, the child always reaped."""
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          **options) as proc:
+        try:
+            out, err = proc.communicate(stdin, timeout=WATCHDOG)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"{argv} still ran after the {WATCHDOG} s watchdog")
+    return proc.returncode, out.decode("utf-8"), err.decode("utf-8")
 
 
-TEMPLATE = {}  # the A = 10, B = 0 database made once by init(), copied per test
+def paused_child(argv, between):
+    """READY/GO: start the child, wait for READY, run ``between()``, write GO; (ready, code, stdout, stderr)."""
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        watchdog = threading.Timer(WATCHDOG, proc.kill)  # only unblocks a hung readline
+        watchdog.start()
+        try:
+            ready = proc.stdout.readline().decode("utf-8")
+            between()
+            out, err = proc.communicate(b"GO\n", timeout=WATCHDOG)
+        finally:
+            watchdog.cancel()
+            watchdog.join()
+            if proc.returncode is None:
+                proc.kill()
+                proc.communicate()
+    return ready, proc.returncode, out.decode("utf-8"), err.decode("utf-8")
+
+
+def definitions(path):
+    """{name: (node, source segment incl. decorators)} of a module's top-level definitions, in source order."""
+    with open(path, encoding="utf-8") as handle:
+        source = handle.read()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+        else:
+            continue
+        segment = ast.get_source_segment(source, node)
+        if getattr(node, "decorator_list", None):  # the segment starts at the first "@"
+            segment = "".join(source.splitlines(True)[node.decorator_list[0].lineno - 1:node.lineno - 1]) + segment
+        for name in names:
+            found[name] = (node, segment)
+    return found
+
+
+TEMPLATE = {}  # an A = 10, B = 0 database made once by init(), byte-copied per test
 
 
 def setUpModule():
-    run_experiment.start_shared()  # the experiment runs in its own processes while unit tests run
-    tmp = tempfile.TemporaryDirectory()
-    TEMPLATE["dir"] = tmp
-    TEMPLATE["path"] = os.path.join(tmp.name, "template.db")
+    run_experiment.start_shared()  # the experiment runs in its own processes while the unit tests run
+    TEMPLATE["dir"] = tempfile.TemporaryDirectory()
+    TEMPLATE["path"] = os.path.join(TEMPLATE["dir"].name, "template.db")
     pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
 
 
@@ -63,11 +144,13 @@ def tearDownModule():
 
 def load_tests(loader, tests, pattern):
     """The tests that read the shared experiment run go last, so it runs while the others do."""
-    late = (Scenarios, CrashMatrix)
+    late = (DriverScenarios, DriverCrashMatrix)
     return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, late) for test in suite)))
 
 
 class Case(unittest.TestCase):
+    """A fresh temporary directory with an A = 10, B = 0 database made by init(), and a connection to it."""
+
     def setUp(self):
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
@@ -75,10 +158,10 @@ class Case(unittest.TestCase):
         self.db = self.make_db()
         self.c = self.open()
 
-    def make_db(self, name="t.db", resources=None):
+    def make_db(self, resources=None, name="t.db"):
         path = os.path.join(self.dir, name)
-        if resources is None:  # a byte copy of a closed database: no fsync per test
-            shutil.copyfile(TEMPLATE["path"], path)
+        if resources is None:
+            shutil.copyfile(TEMPLATE["path"], path)  # a byte copy of a closed database: no fsync per test
         else:
             pre.init(path, resources)
         return path
@@ -88,351 +171,587 @@ class Case(unittest.TestCase):
         self.addCleanup(connection.close)
         return connection
 
-    def state(self, path=None):
-        return snapshot_of(path or self.db)
+    def x(self, op, command=None, *, c=None, issued_at=0, now=0):
+        return pre.execute(c or self.c, op, plan() if command is None else command, issued_at=issued_at, now=now)
 
-    def assert_state(self, resources, effects, receipts, path=None):
-        self.assertEqual(self.state(path),
-                         {"resources": resources, "effects": effects, "receipts": receipts})
+    def change(self, op, name, delta, *, c=None, issued_at=0, now=0):
+        return pre.change(c or self.c, op, name, delta, issued_at=issued_at, now=now)
 
-    def sql(self, statement, parameters=(), path=None):
-        """Direct SQL behind the protocol's back: test set-up only."""
-        connection = sqlite3.connect(path or self.db, isolation_level=None)
+    def figures(self, path=None):
+        """({name: (quantity, revision)}, effects, receipts) from a fresh connection: what a recovering reader sees."""
+        connection = pre.connect(path or self.db)
         try:
-            connection.execute(statement, parameters)
+            seen = pre.snapshot(connection)
+        finally:
+            connection.close()
+        return ({name: (row["quantity"], row["revision"]) for name, row in seen["resources"].items()},
+                seen["effects"], seen["receipts"])
+
+    def sql(self, statement, parameters=()):
+        """Direct SQL behind the protocol's back: test set-up only."""
+        connection = sqlite3.connect(self.db, isolation_level=None)
+        try:
+            return connection.execute(statement, parameters).fetchall()
         finally:
             connection.close()
 
 
-class Validation(Case):
-    """Malformed input raises before any transaction and stores nothing."""
+# === 第七篇: the article's sections, in order ===
 
-    def assert_refused(self, error, op, command):
-        with self.assertRaises(error):
-            pre.execute(self.c, op, command)
-        self.assert_state(START, 0, 0)
+class PlanShapeAndDigest(Case):
+    """第七篇 §1–§2: a plan is src, dst, amount, expected; malformed input raises and stores nothing; the digest."""
 
-    def test_missing_or_extra_command_keys_store_nothing(self):
+    def test_malformed_plans_raise_before_any_transaction_and_store_nothing(self):
         missing = plan()
         del missing["expected"]
-        extra = dict(plan(), note="x")
-        for command in (missing, extra, {}):
-            with self.subTest(command=command):
-                self.assert_refused(ValueError, "op-1", command)
-        self.assert_refused(TypeError, "op-1", [("src", "A")])
-
-    def test_same_source_and_destination_is_refused(self):
-        self.assert_refused(ValueError, "op-1",
-                            {"src": "A", "dst": "A", "amount": 3, "expected": {"A": 1}})
-
-    def test_empty_overlong_or_non_text_names_are_refused(self):
-        long_name = "x" * (pre.MAX_NAME_LENGTH + 1)
-        for src, error in (("", ValueError), (long_name, ValueError),
-                           ("\ud800", ValueError), (1, TypeError)):
-            with self.subTest(src=src):
-                self.assert_refused(error, "op-1", plan(src=src))
-
-    def test_bool_amount_or_revision_is_a_type_error(self):
-        self.assert_refused(TypeError, "op-1", plan(amount=True))
-        self.assert_refused(TypeError, "op-1", plan(a=True))
-        self.assert_refused(TypeError, "op-1", plan(b=False))
-        self.assert_refused(TypeError, "op-1", plan(amount=3.0))
-
-    def test_zero_negative_or_over_bound_integers_are_refused(self):
-        for command in (plan(amount=0), plan(amount=-3), plan(amount=pre.MAX_AMOUNT + 1),
-                        plan(a=0), plan(b=-1), plan(a=pre.MAX_INT64 + 1)):
-            with self.subTest(command=command):
-                self.assert_refused(ValueError, "op-1", command)
-
-    def test_expected_naming_the_wrong_resources_is_refused(self):
-        for expected in ({"A": 1}, {"A": 1, "C": 1}, {"A": 1, "B": 1, "C": 1}, {}):
-            with self.subTest(expected=expected):
-                self.assert_refused(ValueError, "op-1", dict(plan(), expected=expected))
-        self.assert_refused(TypeError, "op-1", dict(plan(), expected=[["A", 1], ["B", 1]]))
-
-    def test_op_must_be_a_bounded_non_empty_string(self):
-        self.assert_refused(TypeError, "op-1".encode(), plan())
-        self.assert_refused(TypeError, 7, plan())
-        self.assert_refused(ValueError, "", plan())
-        self.assert_refused(ValueError, "x" * (pre.MAX_OP_LENGTH + 1), plan())
-
-    def test_unknown_crash_boundary_is_refused_before_any_transaction(self):
-        with self.assertRaises(ValueError):
-            pre.execute(self.c, "op-1", plan(), fault="after_everything")
-        self.assert_state(START, 0, 0)
+        long_name, long_op = "x" * (pre.MAX_NAME_LENGTH + 1), "x" * (pre.MAX_OP_LENGTH + 1)
+        cases = [(ValueError, "op", missing), (ValueError, "op", dict(plan(), note="x")), (ValueError, "op", {}),
+                 (TypeError, "op", [("src", "A")]), (ValueError, "op", plan(src="A", dst="A")),
+                 (ValueError, "op", plan(src="")), (ValueError, "op", plan(src=long_name)),
+                 (ValueError, "op", plan(src="\ud800")), (TypeError, "op", plan(src=1)),
+                 (TypeError, "op", plan(amount=True)), (TypeError, "op", plan(a=True)), (TypeError, "op", plan(b=False)),
+                 (TypeError, "op", plan(amount=3.0)), (ValueError, "op", plan(amount=0)),
+                 (ValueError, "op", plan(amount=-3)), (ValueError, "op", plan(amount=pre.MAX_AMOUNT + 1)),
+                 (ValueError, "op", plan(a=0)), (ValueError, "op", plan(b=-1)),
+                 (ValueError, "op", plan(a=pre.MAX_INT64 + 1)),
+                 (TypeError, "op", dict(plan(), expected=[["A", 1], ["B", 1]])),
+                 (TypeError, b"op", plan()), (TypeError, 7, plan()), (ValueError, "", plan()),
+                 (ValueError, long_op, plan())]
+        cases += [(ValueError, "op", dict(plan(), expected=expected))
+                  for expected in ({"A": 1}, {"A": 1, "C": 1}, {"A": 1, "B": 1, "C": 1}, {})]
+        for error, op, command in cases:
+            with self.subTest(op=op, command=command), self.assertRaises(error):
+                self.x(op, command)
+        self.assertFalse(self.c.in_transaction)
+        self.assertEqual(self.figures(), START)
 
     def test_values_exactly_at_the_stated_bounds_are_accepted(self):
         name = "N" * pre.MAX_NAME_LENGTH
-        self.assertEqual(pre.execute(self.c, "x" * pre.MAX_OP_LENGTH, plan(amount=pre.MAX_AMOUNT)),
+        self.assertEqual(self.x("x" * pre.MAX_OP_LENGTH, plan(amount=pre.MAX_AMOUNT)),
                          {"status": "insufficient", "available": 10})
-        self.assertEqual(pre.execute(self.c, "op-2", plan(dst=name)),
-                         {"status": "missing_resource", "missing": [name]})
+        self.assertEqual(self.x("op-2", plan(dst=name)), {"status": "missing_resource", "missing": [name]})
+        self.assertEqual(self.x("op-3", plan(a=pre.MAX_INT64)), {"status": "stale", "observed": {"A": 1, "B": 1}})
 
-    def test_digest_is_sha256_of_sorted_key_compact_json(self):
-        commands = [plan(), plan(src="é\"\\\n", dst="\u2028 Z", a=pre.MAX_INT64, amount=7),
-                    plan(src="b", dst="B"), plan(src="中文", dst="ascii")]
-        for command in commands:
-            text = json.dumps(command, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    def test_the_stored_digest_is_sha256_of_sorted_key_compact_utf8_json(self):
+        commands = [plan(), plan(b=2), plan(src="é\"\\\n", dst="\u2028 Z", a=pre.MAX_INT64, amount=7),
+                    plan(src="中文", dst="ascii")]
+        for number, command in enumerate(commands):
             with self.subTest(command=command):
-                self.assertEqual(pre.command_json(command), text)
-                self.assertEqual(pre.digest(command),
-                                 hashlib.sha256(text.encode("utf-8")).hexdigest())
-        self.assertNotEqual(pre.digest(plan()), pre.digest(plan(b=2)))
+                self.x(f"op-{number}", command)
+                self.assertEqual(pre._dumps(command), json.dumps(command, sort_keys=True, separators=(",", ":"),
+                                                                 ensure_ascii=False))
+                self.assertEqual(self.c.execute("SELECT digest FROM receipt WHERE op = ?", (f"op-{number}",))
+                                 .fetchone()[0], digest_of(command))
+        self.assertNotEqual(digest_of(plan()), digest_of(plan(b=2)))
 
 
-class Protocol(Case):
-    def test_fresh_plan_applies_both_rows_with_revision_bump(self):
-        result = pre.execute(self.c, "job-1", plan())
-        self.assertEqual(result, {"status": "applied", "revisions": {"A": 2, "B": 2},
-                                  "quantities": {"A": 7, "B": 3}})
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+class ReceiptBeforeState(Case):
+    """第七篇 §2 去重入口里，先查历史，再问现在: the receipt first (replayed / conflict), then the present."""
 
-    def test_stale_plan_reports_observed_revisions_and_changes_nothing(self):
-        pre.change(self.c, "B", 2)
-        self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                         {"status": "stale", "observed": {"A": 1, "B": 2}})
-        self.assert_state({"A": {"quantity": 10, "revision": 1},
-                           "B": {"quantity": 2, "revision": 2}}, 0, 1)
+    def test_the_articles_query_runs_unchanged_on_a_database_made_by_init(self):
+        path = os.path.join(self.dir, "fresh.db")
+        pre.init(path, {"A": 10, "B": 0})
+        c, op = self.open(path), "job-1"
+        self.assertEqual(self.x(op, c=c), APPLIED)
+        old = c.execute('SELECT digest,result FROM receipt WHERE op=?', (op,)).fetchone()
+        self.assertEqual((old[0], json.loads(old[1])), (digest_of(plan()), APPLIED))
+        self.assertEqual(pre.history(c, op, old[0]), {"status": "replayed", "result": APPLIED})
+        self.assertEqual(pre.history(c, op, digest_of(plan(b=2))), {"status": "conflict"})
+        self.assertIsNone(pre.history(c, "job-2", old[0]))
 
-    def test_stale_on_the_source_alone_is_detected_too(self):
-        pre.change(self.c, "A", 5)
-        self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                         {"status": "stale", "observed": {"A": 2, "B": 1}})
-        self.assertEqual(self.state()["effects"], 0)
+    def test_history_holds_the_articles_code_verbatim(self):
+        indented = "\n".join("    " + line for line in ARTICLE_HISTORY.splitlines())
+        self.assertIn(indented, inspect.getsource(pre.history))
 
-    def test_replay_returns_original_result_after_later_changes(self):
-        first = pre.execute(self.c, "job-1", plan())
-        pre.change(self.c, "A", -1)
-        pre.change(self.c, "B", 5)
-        self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                         {"status": "replayed", "result": first})
-        self.assert_state({"A": {"quantity": 6, "revision": 3},
-                           "B": {"quantity": 8, "revision": 3}}, 1, 1)
+    def test_a_lost_ack_retry_is_replayed_from_history_not_stale(self):
+        first = self.x("job-1")  # this reply is "lost"
+        self.change("other-1", "A", -1)
+        self.change("other-2", "B", 5)
+        self.assertEqual(self.x("job-1", c=self.open()), {"status": "replayed", "result": first})
+        self.assertEqual(first, APPLIED)  # history, not the present (A = 6, B = 8 now)
+        self.assertEqual(self.figures(), ({"A": (6, 3), "B": (8, 3)}, 1, 3))
 
-    def test_lost_ack_retry_is_replayed_not_stale(self):
-        first = pre.execute(self.c, "job-1", plan())  # this reply is "lost"
-        retry = pre.execute(self.open(), "job-1", plan())
-        self.assertEqual(retry, {"status": "replayed", "result": first})
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+    def test_another_command_under_the_same_op_is_conflict_and_not_stored(self):
+        self.x("job-1")
+        for command in (plan(a=2, b=2), plan(amount=2), plan(src="B", dst="A")):
+            with self.subTest(command=command):
+                self.assertEqual(self.x("job-1", command), {"status": "conflict"})
+        self.assertEqual(self.figures(), AFTER_APPLIED)
 
-    def test_same_op_with_refreshed_plan_is_conflict_and_a_new_op_applies(self):
-        pre.change(self.c, "B", 2)
-        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "stale")
-        observed = self.state()["resources"]
-        refreshed = plan(a=observed["A"]["revision"], b=observed["B"]["revision"])
-        self.assertEqual(pre.execute(self.c, "job-1", refreshed), {"status": "conflict"})
-        self.assert_state({"A": {"quantity": 10, "revision": 1},
-                           "B": {"quantity": 2, "revision": 2}}, 0, 1)  # conflict not stored
-        self.assertEqual(pre.execute(self.c, "job-2", refreshed)["status"], "applied")
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 5, "revision": 3}}, 1, 2)
 
-    def test_stale_rejection_is_memoised_even_if_revisions_match_again(self):
-        pre.change(self.c, "B", 2)
-        stale = pre.execute(self.c, "job-1", plan())
-        self.sql("UPDATE resources SET revision = 1 WHERE name = 'B'")  # a restored backup
-        self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                         {"status": "replayed", "result": stale})
-        self.assertEqual(self.state()["effects"], 0)
+class SameTransaction(Case):
+    """第七篇 §3 检查通过后再放开锁: the check and the write in one BEGIN IMMEDIATE transaction."""
 
-    def test_insufficient_is_memoised_even_when_a_refill_would_let_it_apply(self):
-        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=11)),
-                         {"status": "insufficient", "available": 10})
-        self.sql("UPDATE resources SET quantity = 20 WHERE name = 'A'")
-        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=11)),
-                         {"status": "replayed",
-                          "result": {"status": "insufficient", "available": 10}})
-        self.assertEqual(pre.execute(self.c, "job-2", plan(amount=11))["status"], "applied")
-        self.assertEqual(self.state()["effects"], 1)
+    def test_unsafe_check_then_act_builds_on_a_change_the_safe_entry_rejects_as_stale(self):
+        outcomes = {}
+        for name, args in (("unsafe", ("unsafe-check-then-act",)), ("safe", ("execute",))):
+            db = self.make_db(name=name + ".db")
+            extra = () if name == "unsafe" else ("--now", 0, "--wait")
+            ready, code, out, err = paused_child(child(*args, db, "job-1", json.dumps(plan()), *extra),
+                                                 lambda db=db: self.change("other-1", "B", 2, c=self.open(db)))
+            self.assertEqual((ready, code, err), ("READY\n", 0, ""))
+            outcomes[name] = (json.loads(out)["status"], self.figures(db))
+        self.assertEqual(outcomes["unsafe"], ("applied", ({"A": (7, 2), "B": (5, 3)}, 1, 2)))  # A = 7, B = 5
+        self.assertEqual(outcomes["safe"], ("stale", ({"A": (10, 1), "B": (2, 2)}, 0, 2)))  # A = 10, B = 2
 
-    def test_missing_resource_is_memoised_even_after_the_resource_appears(self):
-        self.assertEqual(pre.execute(self.c, "job-1", plan(dst="Z")),
-                         {"status": "missing_resource", "missing": ["Z"]})
-        self.sql("INSERT INTO resources (name, quantity, revision) VALUES ('Z', 0, 1)")
-        self.assertEqual(pre.execute(self.c, "job-1", plan(dst="Z")),
-                         {"status": "replayed",
-                          "result": {"status": "missing_resource", "missing": ["Z"]}})
-        self.assertEqual(pre.execute(self.c, "job-2", plan(dst="Z"))["status"], "applied")
+    def test_the_check_and_the_write_run_under_one_write_lock(self):
+        other = self.open()
+        other.execute("PRAGMA busy_timeout = 0")
+        statements, locked = [], []
 
-    def test_revision_at_int64_max_is_refused_as_overflow_without_change(self):
-        self.sql("UPDATE resources SET revision = ? WHERE name = 'B'", (pre.MAX_INT64,))
-        self.assertEqual(pre.execute(self.c, "job-1", plan(b=pre.MAX_INT64)),
-                         {"status": "overflow", "resource": "B", "column": "revision"})
-        self.assert_state({"A": {"quantity": 10, "revision": 1},
-                           "B": {"quantity": 0, "revision": pre.MAX_INT64}}, 0, 1)
+        def trace(statement):
+            statements.append(" ".join(statement.split()[:2]).upper())
+            if statement.startswith("SELECT name, quantity, revision"):  # the check
+                try:
+                    other.execute("BEGIN IMMEDIATE")
+                    other.execute("ROLLBACK")
+                except sqlite3.OperationalError as error:
+                    locked.append(str(error))
+
+        self.c.set_trace_callback(trace)
+        try:
+            self.assertEqual(self.x("job-1"), APPLIED)
+        finally:
+            self.c.set_trace_callback(None)
+        self.assertEqual(locked, ["database is locked"])  # another writer is shut out while the check runs
+        self.assertEqual((statements[0], statements[-1]), ("BEGIN IMMEDIATE", "COMMIT"))
+        self.assertEqual([s for s in statements if s.startswith(("BEGIN", "COMMIT", "UPDATE", "INSERT"))],
+                         ["BEGIN IMMEDIATE", "UPDATE RESOURCES", "UPDATE RESOURCES", "INSERT INTO", "INSERT INTO",
+                          "COMMIT"])  # both rows, the effect and the receipt: one transaction
+
+    def test_a_writer_holding_the_lock_past_busy_timeout_gives_database_is_locked_and_nothing_stored(self):
+        holder = self.open()
+        self.c.execute("PRAGMA busy_timeout = 1")  # shorter than BUSY_TIMEOUT, so the test does not wait 10 s
+        with pre.transaction(holder):
+            with self.assertRaisesRegex(sqlite3.OperationalError, "database is locked"):
+                self.x("job-1")
+            with self.assertRaisesRegex(sqlite3.OperationalError, "database is locked"):
+                self.change("other-1", "B", 2)
+        self.assertFalse(self.c.in_transaction)
+        self.assertEqual(self.figures(), START)
+        self.assertEqual(self.x("job-1"), APPLIED)
+
+
+class RevisionsNotValues(Case):
+    """第七篇 §4 版本不能只是当前值换了个名字: ABA, every write bumps the revision, 64-bit bounds."""
+
+    def test_aba_same_quantity_new_revision_makes_the_old_plan_stale(self):
+        self.change("take", "A", -1)
+        self.change("give-back", "A", 1)
+        self.assertEqual(self.x("job-1"), {"status": "stale", "observed": {"A": 3, "B": 1}})
+        self.assertEqual(self.figures(), ({"A": (10, 3), "B": (0, 1)}, 0, 3))  # A = 10 at revision 3
+
+    def test_change_always_bumps_the_revision_and_records_one_row(self):
+        self.assertEqual(self.change("c-1", "A", -1), {"status": "changed", "name": "A", "quantity": 9, "revision": 2})
+        self.assertEqual(self.change("c-2", "A", 0), {"status": "changed", "name": "A", "quantity": 9, "revision": 3})
+        self.assertEqual(self.change("c-3", "A", 1), {"status": "changed", "name": "A", "quantity": 10, "revision": 4})
+        self.assertEqual(self.sql("SELECT op, name, delta, revision FROM changes ORDER BY op"),
+                         [("c-1", "A", -1, 2), ("c-2", "A", 0, 3), ("c-3", "A", 1, 4)])
+
+    def test_revisions_at_int64_max_are_refused_as_overflow_and_stored(self):
+        for full in ("A", "B"):
+            with self.subTest(full=full):
+                self.sql("UPDATE resources SET revision = 1")
+                self.sql("UPDATE resources SET revision = ? WHERE name = ?", (pre.MAX_INT64, full))
+                command = plan(**{full.lower(): pre.MAX_INT64})
+                self.assertEqual(self.x("job-" + full, command),
+                                 {"status": "overflow", "resource": full, "column": "revision"})
+                self.assertEqual(self.figures()[1], 0)
 
     def test_destination_quantity_overflow_is_refused_and_the_exact_maximum_fits(self):
         self.sql("UPDATE resources SET quantity = ? WHERE name = 'B'", (pre.MAX_INT64 - 2,))
-        self.assertEqual(pre.execute(self.c, "job-1", plan(amount=3)),
-                         {"status": "overflow", "resource": "B", "column": "quantity"})
-        self.assertEqual(self.state()["resources"]["B"],
-                         {"quantity": pre.MAX_INT64 - 2, "revision": 1})
-        self.assertEqual(pre.execute(self.c, "job-2", plan(amount=2))["status"], "applied")
-        self.assertEqual(self.c.execute(
-            "SELECT quantity, typeof(quantity) FROM resources WHERE name = 'B'").fetchall(),
-            [(pre.MAX_INT64, "integer")])
+        self.assertEqual(self.x("job-1", plan(amount=3)), {"status": "overflow", "resource": "B", "column": "quantity"})
+        self.assertEqual(self.figures(), ({"A": (10, 1), "B": (pre.MAX_INT64 - 2, 1)}, 0, 1))
+        self.assertEqual(self.x("job-2", plan(amount=2))["status"], "applied")
+        self.assertEqual(self.sql("SELECT quantity, typeof(quantity) FROM resources WHERE name = 'B'"),
+                         [(pre.MAX_INT64, "integer")])
 
-    def test_lock_timeout_raises_busy_and_records_nothing(self):
-        holder = self.open()
-        with pre.transaction(holder):  # another writer holds the queue and the lock
-            with mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
-                started = time.monotonic()
-                with self.assertRaises(pre.Busy) as caught:
-                    pre.execute(self.c, "job-1", plan())
-                waited = time.monotonic() - started
-                with self.assertRaises(sqlite3.OperationalError):  # Busy is one
-                    pre.change(self.c, "B", 2)
-        self.assertGreaterEqual(waited, 0.02)  # it waited for the deadline...
-        self.assertLess(waited, 0.5)  # ...and no longer
-        self.assertIn("busy", str(caught.exception))
-        self.assert_state(START, 0, 0)
-        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "applied")
+    def test_change_refusals_are_stored_receipts_and_change_nothing(self):
+        self.sql("UPDATE resources SET quantity = ? WHERE name = 'B'", (pre.MAX_INT64,))
+        refusals = {("c-1", "Z", 1): {"status": "missing_resource", "missing": ["Z"]},
+                    ("c-2", "A", -11): {"status": "insufficient", "available": 10},
+                    ("c-3", "B", 1): {"status": "overflow", "resource": "B", "column": "quantity"}}
+        for (op, name, delta), refusal in refusals.items():
+            self.assertEqual(self.change(op, name, delta), refusal)
+        self.sql("UPDATE resources SET revision = ? WHERE name = 'A'", (pre.MAX_INT64,))
+        self.assertEqual(self.change("c-4", "A", -1), {"status": "overflow", "resource": "A", "column": "revision"})
+        self.assertEqual(self.figures(), ({"A": (10, pre.MAX_INT64), "B": (pre.MAX_INT64, 1)}, 0, 4))
+        self.assertEqual(self.sql("SELECT count(*) FROM changes"), [(0,)])
 
-    def test_writer_outside_the_queue_past_the_busy_timeout_raises_busy(self):
-        foreign = sqlite3.connect(self.db, isolation_level=None)
-        self.addCleanup(foreign.close)
-        foreign.execute("BEGIN IMMEDIATE")
-        self.c.execute("PRAGMA busy_timeout = 20")
-        with self.assertRaises(pre.Busy):
-            pre.execute(self.c, "job-1", plan())
-        foreign.execute("ROLLBACK")
-        self.assertFalse(self.c.in_transaction)
-        self.assert_state(START, 0, 0)
+    def test_malformed_change_arguments_raise_and_store_nothing(self):
+        for op, name, delta, error in (("c", "A", True, TypeError), ("c", "A", 1.0, TypeError),
+                                       ("c", "A", pre.MAX_INT64 + 1, ValueError), ("c", "", 1, ValueError),
+                                       ("c", 1, 1, TypeError), (1, "A", 1, TypeError), ("", "A", 1, ValueError)):
+            with self.subTest(op=op, name=name, delta=delta), self.assertRaises(error):
+                self.change(op, name, delta)
+        self.assertEqual(self.figures(), START)
 
-    def test_replay_and_conflict_are_answered_while_another_writer_holds_the_lock(self):
-        first = pre.execute(self.c, "job-1", plan())
-        holder = self.open()
-        with pre.transaction(holder), mock.patch.object(pre, "BUSY_DEADLINE", 0.02):
-            self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                             {"status": "replayed", "result": first})
-            self.assertEqual(pre.execute(self.c, "job-1", plan(a=2, b=2)), {"status": "conflict"})
-            with self.assertRaises(pre.Busy):  # a new op does need the lock
-                pre.execute(self.c, "job-2", plan(a=2, b=2))
-        self.assertFalse(self.c.in_transaction)
 
-    def test_change_always_bumps_the_revision(self):
-        self.assertEqual(pre.change(self.c, "A", -1),
-                         {"status": "changed", "name": "A", "quantity": 9, "revision": 2})
-        self.assertEqual(pre.change(self.c, "A", 0)["revision"], 3)
-        self.assertEqual(pre.change(self.c, "A", 1),
-                         {"status": "changed", "name": "A", "quantity": 10, "revision": 4})
+class RejectionsRemembered(Case):
+    """第七篇 §5 拒绝也要有记忆，重规划不能伪装成重试: stored rejections replay; a replan needs a new id."""
 
-    def test_change_refuses_negative_overflow_missing_and_non_int_without_change(self):
-        for name, delta, error in (("A", -11, ValueError), ("Z", 1, ValueError),
-                                   ("A", True, TypeError), ("A", 1.0, TypeError),
-                                   ("A", pre.MAX_INT64 + 1, ValueError)):
-            with self.subTest(name=name, delta=delta):
-                with self.assertRaises(error):
-                    pre.change(self.c, name, delta)
-        self.assert_state(START, 0, 0)
-        self.sql("UPDATE resources SET quantity = ? WHERE name = 'A'", (pre.MAX_INT64,))
-        with self.assertRaises(ValueError):
-            pre.change(self.c, "A", 1)
-        self.sql("UPDATE resources SET quantity = 0, revision = ? WHERE name = 'B'",
-                 (pre.MAX_INT64,))
-        with self.assertRaises(ValueError):
-            pre.change(self.c, "B", 1)
-        self.assert_state({"A": {"quantity": pre.MAX_INT64, "revision": 1},
-                           "B": {"quantity": 0, "revision": pre.MAX_INT64}}, 0, 0)
+    def test_stale_insufficient_and_missing_rejections_replay_after_the_state_would_allow_them(self):
+        self.change("other-1", "B", 2)
+        cases = [("stale", plan(), {"status": "stale", "observed": {"A": 1, "B": 2}},
+                  "UPDATE resources SET revision = 1 WHERE name = 'B'"),  # a restored backup
+                 ("insufficient", plan(amount=11), {"status": "insufficient", "available": 10},
+                  "UPDATE resources SET quantity = 20 WHERE name = 'A'"),
+                 ("missing", plan(dst="Z"), {"status": "missing_resource", "missing": ["Z"]},
+                  "INSERT INTO resources VALUES ('Z', 0, 1)")]
+        for op, command, rejection, fix in cases:
+            with self.subTest(op):
+                self.assertEqual(self.x(op, command), rejection)
+                self.sql(fix)
+                self.assertEqual(self.x(op, command), {"status": "replayed", "result": rejection})
+        self.assertEqual(self.figures()[1], 0)
+        self.assertEqual(self.x("missing-new-id", plan(dst="Z"))["status"], "applied")
 
-    def test_aba_same_quantity_new_revision_makes_the_old_plan_stale(self):
-        pre.change(self.c, "A", -1)
-        pre.change(self.c, "A", 1)
-        self.assertEqual(self.state()["resources"]["A"], {"quantity": 10, "revision": 3})
-        self.assertEqual(pre.execute(self.c, "job-1", plan()),
-                         {"status": "stale", "observed": {"A": 3, "B": 1}})
-        self.assertEqual(self.state()["effects"], 0)
+    def test_a_replan_under_the_old_id_is_conflict_and_under_a_new_id_applies(self):
+        self.change("other-1", "B", 2)
+        stale = self.x("job-1")
+        self.assertEqual(stale, {"status": "stale", "observed": {"A": 1, "B": 2}})
+        replanned = dict(plan(), expected=stale["observed"])
+        self.assertEqual(self.x("job-1", replanned), {"status": "conflict"})
+        self.assertEqual(self.figures(), ({"A": (10, 1), "B": (2, 2)}, 0, 2))  # conflict is not stored
+        self.assertEqual(self.x("job-2", replanned)["status"], "applied")
+        self.assertEqual(self.figures(), ({"A": (7, 2), "B": (5, 3)}, 1, 3))
 
-    def test_undeclared_dependency_change_does_not_block_the_plan(self):
-        db = self.make_db("abc.db", {"A": 10, "B": 0, "C": 5})
+
+class CrashesAndRaces(Case):
+    """第七篇 §6 扣完 A 就崩溃: real exits at 71/72/73, triggers abort mid-transaction, 16 racers."""
+
+    def test_the_exit_codes_are_the_articles(self):
+        self.assertEqual(pre.EXIT_CODES, {"after_source_update": 71, "before_commit": 72, "after_commit": 73})
+
+    def test_a_crash_at_each_boundary_is_all_or_nothing_and_a_new_process_retry_answers_right(self):
+        command = json.dumps(plan())
+        for boundary, code in pre.EXIT_CODES.items():
+            with self.subTest(boundary):
+                db = self.make_db(name=boundary + ".db")
+                self.assertEqual(run_child(child("execute", db, "job-1", command, "--now", 0, "--crash", boundary)),
+                                 (code, "", ""))  # died before printing anything
+                committed = boundary == "after_commit"
+                self.assertEqual(self.figures(db), AFTER_APPLIED if committed else START)
+                retry_code, out, _ = run_child(child("execute", db, "job-1", command, "--now", 0))
+                expected = {"status": "replayed", "result": APPLIED} if committed else APPLIED
+                self.assertEqual((retry_code, json.loads(out)), (0, expected))
+                self.assertEqual(self.figures(db), AFTER_APPLIED)
+
+    def test_a_stale_rejection_committed_before_the_exit_is_replayed(self):
+        self.change("other-1", "B", 2)
+        command = json.dumps(plan())
+        self.assertEqual(run_child(child("execute", self.db, "job-1", command, "--now", 0, "--crash", "after_commit"))[0],
+                         73)
+        code, out, _ = run_child(child("execute", self.db, "job-1", command, "--now", 0))
+        self.assertEqual((code, json.loads(out)),
+                         (0, {"status": "replayed", "result": {"status": "stale", "observed": {"A": 1, "B": 2}}}))
+        self.assertEqual(self.figures(), ({"A": (10, 1), "B": (2, 2)}, 0, 2))
+
+    def test_every_crash_point_is_an_exit_code_key_once_and_there_are_no_fault_parameters(self):
+        with open(MODULE, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        points = collections.Counter(
+            node.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "crash_point"
+            and node.args and isinstance(node.args[0], ast.Constant))
+        self.assertEqual(points, collections.Counter(list(pre.EXIT_CODES)))
+        for name in pre.__all__:
+            function = getattr(pre, name)
+            with self.subTest(name):
+                self.assertFalse({"fault", "crash"} & set(inspect.signature(function).parameters))
+        self.assertEqual(run_child(child("execute", self.db, "job-1", json.dumps(plan()), "--now", 0, "--crash",
+                                         "after_everything"))[0], 2)
+        self.assertEqual(self.figures(), START)
+
+    def test_a_trigger_aborting_the_destination_update_or_the_receipt_leaves_nothing_half_applied(self):
+        for table, event in (("resources", "UPDATE ON resources WHEN NEW.name = 'B'"), ("receipt", "INSERT ON receipt")):
+            with self.subTest(table):
+                self.sql(f"CREATE TRIGGER fault BEFORE {event} BEGIN SELECT RAISE(ABORT, 'injected fault'); END")
+                with self.assertRaisesRegex(sqlite3.IntegrityError, "injected fault"):
+                    self.x("job-1")
+                self.assertFalse(self.c.in_transaction)
+                self.assertEqual(self.figures(), START)
+                self.sql("DROP TRIGGER fault")
+        self.assertEqual(self.x("job-1"), APPLIED)
+
+    def race(self, entry, ops, path=None):
+        """One thread per op, each with its own connection, released together by a barrier; outcomes."""
+        barrier = threading.Barrier(len(ops))
+        outcomes, lock = [], threading.Lock()
+
+        def racer(op):
+            try:
+                connection = pre.connect(path or self.db)
+                try:
+                    barrier.wait(timeout=WATCHDOG)
+                    outcome = entry(connection, op)["status"]
+                finally:
+                    connection.close()
+            except BaseException as error:  # reported below, not lost in the thread
+                barrier.abort()
+                outcome = f"{type(error).__name__}: {error}"
+            with lock:
+                outcomes.append(outcome)
+
+        threads = [threading.Thread(target=racer, args=(op,)) for op in ops]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return collections.Counter(outcomes)
+
+    def safe(self, connection, op):
+        return pre.execute(connection, op, plan(), issued_at=0, now=0)
+
+    def test_16_distinct_ops_on_one_snapshot_give_1_applied_and_15_stale(self):
+        self.assertEqual(self.race(self.safe, [f"job-{k}" for k in range(16)]), {"applied": 1, "stale": 15})
+        self.assertEqual(self.figures(), ({"A": (7, 2), "B": (3, 2)}, 1, 16))
+
+    def test_16_copies_of_one_op_give_1_applied_and_15_replayed(self):
+        self.assertEqual(self.race(self.safe, ["job-1"] * 16), {"applied": 1, "replayed": 15})
+        self.assertEqual(self.figures(), AFTER_APPLIED)
+
+    def test_the_barrier_catches_a_non_atomic_check_then_write_every_time(self):
+        db = self.make_db({"A": 100, "B": 0}, "unsafe.db")  # room for every transfer: only the race decides
+        in_between = threading.Barrier(16)  # all 16 have checked before any writes
+
+        def unsafe(connection, op):
+            return pre.unsafe_check_then_act(connection, op, plan(), pause=lambda: in_between.wait(timeout=WATCHDOG))
+
+        outcomes = self.race(unsafe, [f"job-{k}" for k in range(16)], db)
+        self.assertEqual(set(outcomes), {"applied"})
+        self.assertGreater(outcomes["applied"], 1)
+        self.assertEqual(self.figures(db)[1], outcomes["applied"])
+
+
+class UndeclaredDependency(Case):
+    """第七篇 §7 依赖没写进契约: C changes, the plan declared only A and B, so it applies."""
+
+    def test_a_change_to_c_does_not_block_a_plan_that_declared_only_a_and_b(self):
+        db = self.make_db({"A": 10, "B": 0, "C": 5}, "abc.db")
         c = self.open(db)
-        pre.change(c, "C", -1)
-        self.assertEqual(pre.execute(c, "job-1", plan())["status"], "applied")
-        self.assert_state({"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2},
-                           "C": {"quantity": 4, "revision": 2}}, 1, 1, db)
+        self.change("other-1", "C", -1, c=c)
+        self.assertEqual(self.x("job-1", c=c), APPLIED)
+        self.assertEqual(self.figures(db), ({"A": (7, 2), "B": (3, 2), "C": (4, 2)}, 1, 2))  # C = 4
 
-    def test_trigger_abort_on_destination_update_leaves_nothing_half_applied(self):
-        self.sql("CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B' "
-                 "BEGIN SELECT RAISE(ABORT, 'injected fault'); END")
-        with self.assertRaisesRegex(sqlite3.DatabaseError, "injected fault"):
-            pre.execute(self.c, "job-1", plan())
-        self.assertFalse(self.c.in_transaction)
-        self.assert_state(START, 0, 0)
-        self.sql("DROP TRIGGER fault")
-        self.assertEqual(pre.execute(self.c, "job-1", plan())["status"], "applied")
 
-    def test_trigger_abort_on_receipt_insert_leaves_nothing_half_applied(self):
-        self.sql("CREATE TRIGGER fault BEFORE INSERT ON receipts "
-                 "BEGIN SELECT RAISE(ABORT, 'injected fault'); END")
-        with self.assertRaisesRegex(sqlite3.DatabaseError, "injected fault"):
-            pre.execute(self.c, "job-1", plan())
-        self.assertFalse(self.c.in_transaction)
-        self.assert_state(START, 0, 0)
+# === beyond article 7 ===
+
+class ChangeExactlyOnce(Case):
+    """Beyond 第七篇: change() has an op id and a receipt in the same transaction, like execute()."""
+
+    def test_a_change_is_replayed_under_its_op_and_another_delta_is_conflict(self):
+        first = self.change("op-1", "A", 5)
+        self.assertEqual(first, {"status": "changed", "name": "A", "quantity": 15, "revision": 2})
+        self.assertEqual(self.change("op-1", "A", 5), {"status": "replayed", "result": first})
+        self.assertEqual(self.change("op-1", "A", 6), {"status": "conflict"})
+        self.assertEqual(self.change("op-1", "B", 5), {"status": "conflict"})
+        self.assertEqual(self.x("op-1"), {"status": "conflict"})  # one op namespace for both writes
+        self.assertEqual(self.figures(), ({"A": (15, 2), "B": (0, 1)}, 0, 1))
+
+    def test_a_change_redone_by_a_new_process_after_the_first_ended_changes_a_once(self):
+        outputs = [run_child(child("change", self.db, "op-1", "A", 5, "--now", 0)) for _ in range(2)]
+        changed = {"status": "changed", "name": "A", "quantity": 15, "revision": 2}
+        self.assertEqual([(code, json.loads(out), err) for code, out, err in outputs],
+                         [(0, changed, ""), (0, {"status": "replayed", "result": changed}, "")])
+        self.assertEqual(self.figures()[0]["A"], (15, 2))  # A = 15 from 10
+        self.assertEqual(self.sql("SELECT op, name, delta FROM changes"), [("op-1", "A", 5)])
+
+    def test_a_change_whose_receipt_was_purged_is_expired_like_a_transfer(self):
+        # An execute() retried after its receipt was purged answers "expired" (its effect row
+        # remembers it); a change() must too, not raise IntegrityError from changes.op.
+        self.change("op-1", "A", 5, issued_at=0, now=0)
+        pre.purge(self.c, 100, 50)
+        self.assertEqual(self.change("op-1", "A", 5, issued_at=60, now=100), {"status": "expired", "low_water": 50})
+        self.assertEqual(self.figures()[0]["A"], (15, 2))
+
+
+class RequiredTicks(Case):
+    """Beyond 第七篇: logical ticks are required keyword ints; nothing is acted on before it was issued."""
+
+    def test_missing_ticks_are_a_type_error(self):
+        for call in (lambda: pre.execute(self.c, "job-1", plan()), lambda: pre.execute(self.c, "job-1", plan(), now=0),
+                     lambda: pre.change(self.c, "op-1", "A", 1), lambda: pre.purge(self.c)):
+            with self.assertRaises(TypeError):
+                call()
+        self.assertEqual(self.figures(), START)
+
+    def test_ticks_that_go_backwards_or_are_not_bounded_ints_raise_and_store_nothing(self):
+        for write in (self.x, lambda op, **ticks: self.change(op, "A", 1, **ticks)):
+            with self.assertRaisesRegex(ValueError, "backwards"):
+                write("job-1", issued_at=5, now=4)
+            for issued_at, now in ((-1, 0), (0, -1), (True, 3), (1, 2.0), (None, 0), (0, pre.MAX_TICK + 1)):
+                with self.subTest(issued_at=issued_at, now=now), self.assertRaises(ValueError):
+                    write("job-1", issued_at=issued_at, now=now)
+        self.assertEqual(self.figures(), START)
+        self.assertEqual(self.x("job-1", issued_at=pre.MAX_TICK, now=pre.MAX_TICK), APPLIED)
 
 
 class Retention(Case):
-    """purge() with a low-water mark: a late retry of a purged op is refused, never decided again."""
+    """Beyond 第七篇 (§5: "本例没有实现回执清理"): purge() with a low-water mark; late retries are "expired"."""
 
     def receipts(self):
-        return self.c.execute("SELECT op, tick FROM receipts ORDER BY op").fetchall()
+        return self.sql("SELECT op, tick FROM receipt ORDER BY op"), self.sql("SELECT low_water FROM retention")[0][0]
 
-    def mark(self):
-        return self.c.execute("SELECT low_water FROM retention").fetchone()[0]
-
-    def test_receipts_record_the_tick_they_were_written_at(self):
-        pre.execute(self.c, "job-1", plan(), issued_at=3, now=5)
-        pre.execute(self.c, "job-2", plan(), now=9)  # stale, stored at tick 9
-        self.assertEqual(self.receipts(), [("job-1", 5), ("job-2", 9)])
-
-    def test_purge_deletes_receipts_older_than_the_window_and_raises_the_mark(self):
-        pre.execute(self.c, "job-1", plan(), now=10)
-        pre.execute(self.c, "job-2", plan(), now=60)
+    def test_receipts_record_their_tick_and_purge_deletes_those_before_now_minus_window(self):
+        self.x("job-1", issued_at=3, now=10)
+        self.x("job-2", now=60)  # stale, stored at tick 60
         self.assertEqual(pre.purge(self.c, 100, 50), {"deleted": 1, "low_water": 50})
-        self.assertEqual((self.receipts(), self.mark()), ([("job-2", 60)], 50))
+        self.assertEqual(self.receipts(), ([("job-2", 60)], 50))
 
-    def test_purge_refuses_a_window_that_is_not_a_positive_int_and_changes_nothing(self):
-        pre.execute(self.c, "job-1", plan(), now=10)
-        for window, error in ((0, ValueError), (-5, ValueError), (True, TypeError), (2.0, TypeError)):
-            with self.subTest(window=window), self.assertRaises(error):
-                pre.purge(self.c, 100, window)
-        self.assertEqual((self.receipts(), self.mark()), ([("job-1", 10)], 0))
-
-    def test_a_low_water_mark_never_moves_backwards(self):
+    def test_purge_refuses_a_bad_window_or_a_mark_moving_backwards_and_changes_nothing(self):
         pre.purge(self.c, 100, 50)
-        pre.execute(self.c, "job-1", plan(), issued_at=60, now=60)
-        with self.assertRaises(ValueError):
-            pre.purge(self.c, 80, 50)  # would set the mark to 30
-        self.assertEqual((self.receipts(), self.mark()), ([("job-1", 60)], 50))
+        self.x("job-1", issued_at=60, now=60)
+        for now, window, error in ((100, 0, ValueError), (100, -5, ValueError), (100, True, TypeError),
+                                   (100, 2.0, TypeError), (80, 50, ValueError), (-1, 5, ValueError)):
+            with self.subTest(now=now, window=window), self.assertRaises(error):
+                pre.purge(self.c, now, window)
+        self.assertEqual(self.receipts(), ([("job-1", 60)], 50))
 
-    def test_an_op_issued_before_the_mark_without_receipt_is_expired_and_nothing_is_stored(self):
-        pre.execute(self.c, "job-1", plan(), issued_at=0, now=0)  # applied, receipt at tick 0
+    def test_an_op_issued_before_the_mark_or_whose_effect_outlived_its_receipt_is_expired_and_not_stored(self):
+        self.x("job-1", issued_at=0, now=0)
         pre.purge(self.c, 100, 50)
-        for issued_at in (0, 49, None):
-            with self.subTest(issued_at=issued_at):
-                self.assertEqual(pre.execute(self.c, "job-2", plan(a=2, b=2), issued_at=issued_at, now=100),
+        for op, issued_at in (("job-2", 0), ("job-2", 49), ("job-1", 60)):
+            with self.subTest(op=op, issued_at=issued_at):
+                self.assertEqual(self.x(op, plan(a=2, b=2), issued_at=issued_at, now=100),
                                  {"status": "expired", "low_water": 50})
-        after_first = {"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2}}
-        self.assert_state(after_first, 1, 0)
+        self.assertEqual(self.figures(), ({"A": (7, 2), "B": (3, 2)}, 1, 0))
 
-    def test_an_op_issued_at_or_after_the_mark_is_decided_as_usual(self):
+    def test_an_op_issued_at_the_mark_is_decided_and_a_surviving_receipt_still_replays(self):
+        first = self.x("job-1", now=80)
         pre.purge(self.c, 100, 50)
-        self.assertEqual(pre.execute(self.c, "job-1", plan(), issued_at=50, now=100), APPLIED)
-        self.assertEqual(self.receipts(), [("job-1", 100)])
+        self.assertEqual(self.x("job-1", now=100), {"status": "replayed", "result": first})
+        self.assertEqual(self.x("job-2", plan(a=2, b=2), issued_at=50, now=100)["status"], "applied")
 
-    def test_a_receipt_that_survived_the_purge_still_replays(self):
-        first = pre.execute(self.c, "job-1", plan(), issued_at=0, now=80)
-        pre.purge(self.c, 100, 50)
-        self.assertEqual(pre.execute(self.c, "job-1", plan(), issued_at=0, now=100),
-                         {"status": "replayed", "result": first})
 
-    def test_ticks_must_be_non_negative_ints_and_issued_no_later_than_now(self):
-        for issued_at, now, error in ((5, 4, ValueError), (None, -1, ValueError), (True, 3, TypeError),
-                                      (1, 2.0, TypeError)):
-            with self.subTest(issued_at=issued_at, now=now), self.assertRaises(error):
-                pre.execute(self.c, "job-1", plan(), issued_at=issued_at, now=now)
-        self.assert_state(START, 0, 0)
+class FilesAndSchema(Case):
+    """Beyond 第七篇: connect() opens only an existing database of ours and names the path in every refusal."""
+
+    def assert_refused(self, path, error, *fragments):
+        before = {name: os.path.getsize(os.path.join(self.dir, name)) for name in os.listdir(self.dir)}
+        with self.assertRaises(error) as caught:
+            pre.connect(path)
+        for fragment in (path,) + fragments:
+            self.assertIn(fragment, str(caught.exception))
+        self.assertEqual({name: os.path.getsize(os.path.join(self.dir, name)) for name in os.listdir(self.dir)},
+                         before)
+
+    def test_missing_directory_garbage_empty_and_foreign_files_are_refused_naming_the_path(self):
+        self.assert_refused(os.path.join(self.dir, "missing.db"), FileNotFoundError)
+        self.assert_refused(self.dir, IsADirectoryError)
+        for name, content in (("garbage.db", b"not a database, just bytes\n" * 200), ("empty.db", b"")):
+            with open(os.path.join(self.dir, name), "wb") as handle:
+                handle.write(content)
+        foreign = os.path.join(self.dir, "foreign.db")
+        connection = sqlite3.connect(foreign)
+        connection.execute("CREATE TABLE resources (name TEXT)")
+        connection.close()
+        for name in ("garbage.db", "empty.db", "foreign.db"):
+            with self.subTest(name):
+                self.assert_refused(os.path.join(self.dir, name), sqlite3.DatabaseError)
+
+    def test_an_old_schema_file_is_refused_naming_both_versions_and_left_byte_for_byte(self):
+        old = os.path.join(self.dir, "old.db")
+        connection = sqlite3.connect(old)
+        connection.execute("CREATE TABLE receipts (op TEXT PRIMARY KEY, digest TEXT, result TEXT)")
+        connection.execute(f"PRAGMA application_id = {0x50524543}")
+        connection.execute("PRAGMA user_version = 1")
+        connection.close()
+        with open(old, "rb") as handle:
+            before = handle.read()
+        self.assertEqual(pre.SCHEMA_VERSION, 2)
+        self.assert_refused(old, sqlite3.DatabaseError, "schema version 1")
+        with self.assertRaisesRegex(sqlite3.DatabaseError, r"schema version 1\b.*\b2\b"):
+            pre.connect(old)
+        with open(old, "rb") as handle:
+            self.assertEqual(handle.read(), before)
+
+    def connect_as_nobody(self, path):
+        """pre.connect(path) in a forked child, as nobody (uid/gid 65534) if we are root: 'ok' or 'Type: message'."""
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: reports over the pipe and never returns into unittest
+            code = 1
+            try:
+                os.close(reader)
+                if os.geteuid() == 0:  # root passes every permission check: become nobody first
+                    os.setgroups([])
+                    os.setgid(65534)
+                    os.setuid(65534)
+                try:
+                    pre.connect(path).close()
+                    text = "ok"
+                except Exception as error:
+                    text = f"{type(error).__name__}: {error}"
+                os.write(writer, text.encode("utf-8"))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(writer)
+        with os.fdopen(reader, "rb") as pipe:
+            text = pipe.read().decode("utf-8")
+        self.assertEqual(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), 0)
+        return text
+
+    def test_unreadable_read_only_file_or_read_only_directory_is_a_permission_error_naming_it(self):
+        folder = os.path.join(self.dir, "shared")
+        os.mkdir(folder)
+        os.chmod(self.dir, 0o755)  # nobody may look inside
+        self.addCleanup(os.chmod, folder, 0o755)  # so that the temporary directory can go
+        for name, file_mode, folder_mode, named in (("unreadable.db", 0o000, 0o755, "file"),
+                                                    ("read-only.db", 0o444, 0o755, "file"),
+                                                    ("in-read-only-dir.db", 0o666, 0o555, "directory")):
+            with self.subTest(name):
+                path = os.path.join(folder, name)
+                os.chmod(folder, 0o755)
+                pre.init(path, {"A": 1})
+                os.chmod(path, file_mode)
+                os.chmod(folder, folder_mode)
+                text = self.connect_as_nobody(path)
+                self.assertTrue(text.startswith("PermissionError: "), text)
+                self.assertIn(path if named == "file" else folder, text)
+                self.assertEqual([n for n in os.listdir(folder) if n.endswith(("-wal", "-shm"))], [])  # nothing made
+        os.chmod(folder, 0o777)  # the control: the same user opens a file it may read and write
+        os.chmod(path, 0o666)
+        self.assertEqual(self.connect_as_nobody(path), "ok")
+
+    def test_init_refuses_to_overwrite_a_file_or_a_leftover_journal_and_validates_resources(self):
+        notes = os.path.join(self.dir, "notes.txt")
+        with open(notes, "w", encoding="utf-8") as handle:
+            handle.write("keep me")
+        reused = os.path.join(self.dir, "reused.db")
+        with open(reused + "-wal", "wb") as handle:
+            handle.write(b"frames of some other database")
+        for path in (self.db, notes, reused):
+            with self.subTest(path), self.assertRaises(FileExistsError):
+                pre.init(path, {"A": 1})
+        self.assertEqual(self.figures(), START)
+        with open(notes, encoding="utf-8") as handle:
+            self.assertEqual(handle.read(), "keep me")
+        self.assertFalse(os.path.exists(reused))
+        path = os.path.join(self.dir, "new.db")
+        for resources, error in (({"A": True}, TypeError), ({"A": -1}, ValueError), ({"A": pre.MAX_INT64 + 1},
+                                 ValueError), ({}, ValueError), ({"": 1}, ValueError), ([("A", 1)], TypeError)):
+            with self.subTest(resources=resources), self.assertRaises(error):
+                pre.init(path, resources)
+            self.assertFalse(os.path.exists(path))
+
+    def test_paths_with_uri_special_characters_open_exactly_the_file_named(self):
+        folder = os.path.join(self.dir, "odd %41 #dir?")
+        os.mkdir(folder)
+        path = os.path.join(folder, "odd ?name#%41.db")
+        pre.init(path, {"A": 1, "B": 2})
+        self.assertEqual(self.figures(path)[0], {"A": (1, 1), "B": (2, 1)})
+        with self.assertRaises(FileNotFoundError):
+            pre.connect(os.path.join(folder, "odd ?other.db"))
+        self.assertEqual(sorted(os.listdir(folder)), ["odd ?name#%41.db"])
+
+    def test_every_connection_reports_wal_synchronous_full_foreign_keys_and_the_busy_timeout(self):
+        for connection in (self.c, self.open()):
+            self.assertIsNone(connection.isolation_level)
+            self.assertEqual([connection.execute(f"PRAGMA {name}").fetchone()[0] for name in
+                              ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")],
+                             ["wal", 2, 1, pre.BUSY_TIMEOUT * 1000])
 
     def test_wal_reset_bug_names_exactly_the_affected_sqlite_versions(self):
         affected = [(3, 7, 0), (3, 40, 1), (3, 44, 5), (3, 45, 0), (3, 50, 6), (3, 51, 0), (3, 51, 2)]
@@ -440,378 +759,191 @@ class Retention(Case):
         self.assertEqual([version for version in affected + fixed if pre.wal_reset_bug(version)], affected)
         self.assertEqual(pre.wal_reset_bug(), pre.wal_reset_bug(sqlite3.sqlite_version_info))
 
-
-class ReviewFindings(Case):
-    """Guards added after an independent review."""
-
-    def test_an_applied_op_whose_receipt_was_purged_is_expired_not_an_integrity_error(self):
-        pre.execute(self.c, "job-1", plan(), issued_at=0, now=0)
-        pre.purge(self.c, 100, 50)
-        self.assertEqual(pre.execute(self.c, "job-1", plan(a=2, b=2), issued_at=60, now=100),
-                         {"status": "expired", "low_water": 50})
-        self.assert_state({"A": {"quantity": 7, "revision": 2}, "B": {"quantity": 3, "revision": 2}}, 1, 0)
-
-    def test_a_corrupt_receipt_is_a_named_error_and_decides_nothing(self):
-        pre.execute(self.c, "job-1", plan())
-        self.sql("UPDATE receipts SET result = 'not json' WHERE op = 'job-1'")
-        with self.assertRaises(pre.CorruptRecord):
-            pre.execute(self.c, "job-1", plan())
-
-    def test_transaction_does_not_nest_and_snapshot_reads_inside_one(self):
-        with pre.transaction(self.c):
-            with self.assertRaises(sqlite3.ProgrammingError):
-                with pre.transaction(self.c):
-                    pass
-            self.assertEqual(pre.snapshot(self.c)["resources"], START)
-        self.assertFalse(self.c.in_transaction)
+    def test_snapshot_is_sorted_counts_effects_and_receipts_and_reads_inside_a_callers_transaction(self):
+        c = self.open(self.make_db({"b": 1, "C": 2, "a": 3}, "many.db"))
+        for op in ("job-1", "job-2"):
+            self.x(op, plan(src="a", dst="b", amount=1), c=c)
+        with pre.transaction(c):
+            seen = pre.snapshot(c)
+            self.assertTrue(c.in_transaction)
+        self.assertEqual((list(seen["resources"]), seen["effects"], seen["receipts"]), (["C", "a", "b"], 1, 2))
 
 
-class Concurrency(Case):
-    def submit_from_threads(self, ops):
-        """8 threads, each with its own connection, submit ops together."""
-        results, errors, lock = [], [], threading.Lock()
-        barrier = threading.Barrier(8)
+class CommandLine(Case):
+    """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2."""
 
-        def worker(mine):
+    def test_exit_codes_and_utf8_output_whatever_the_locale(self):
+        env = dict(os.environ, LC_ALL="C", LANG="C")
+        db = os.path.join(self.dir, "cli.db")
+        code, out, err = run_child(child("init", db, "名额A=10", "B=0"), env=env)
+        self.assertEqual((code, err), (0, ""))
+        self.assertEqual(json.loads(out), {"resources": {"B": {"quantity": 0, "revision": 1},
+                                                         "名额A": {"quantity": 10, "revision": 1}},
+                                           "effects": 0, "receipts": 0})
+        self.assertEqual(run_child(child("snapshot", db), env=env), (0, out, ""))
+        usage = [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"), ("bogus",)]
+        for argv in usage:
+            with self.subTest(argv=argv):
+                self.assertEqual(run_child(child(*argv))[0], 2)
+        refused = [("execute", db, "job-1", json.dumps(plan(src="名额A", amount=True)), "--now", 0),
+                   ("execute", db, "job-1", '{"src": "A", "src": "B"}', "--now", 0),
+                   ("execute", db, "job-1", json.dumps(plan()), "--now", -1),
+                   ("snapshot", os.path.join(self.dir, "missing.db")), ("init", db, "A=1")]
+        for argv in refused:
+            with self.subTest(argv=argv):
+                code, out, err = run_child(child(*argv), env=env)
+                self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
+                self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: "), err)
+        code, out, _ = run_child(child("execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0), env=env)
+        self.assertEqual((code, out), (0, '{"quantities":{"B":3,"名额A":7},"revisions":{"B":2,"名额A":2},'
+                                          '"status":"applied"}\n'))
+        code, out, _ = run_child(child("snapshot", db), env=env)
+        self.assertEqual(json.loads(out)["receipts"], 1)
+
+
+class TheSourceItself(unittest.TestCase):
+    """Beyond 第七篇: what the README promises about the source: the copy kit, the twins, __all__."""
+
+    def test_the_execute_kit_alone_runs_the_articles_scenario(self):
+        found = definitions(MODULE)
+        kit = [name for name in found if name in KIT]  # source order
+        self.assertEqual(sorted(kit), sorted(KIT))
+        self.assertLess(sum(len(found[name][1].splitlines()) for name in kit), 150)  # lines of definitions
+        text = "\n\n\n".join(found[name][1] for name in kit) + "\n"
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "execute_kit.py")
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(KIT_IMPORTS + "\n\n" + text)
+            spec = importlib.util.spec_from_file_location("execute_kit", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            self.assertEqual(sorted(name for name in vars(module) if not name.startswith("__")),
+                             sorted(KIT + ["hashlib", "json", "os", "sqlite3", "contextmanager"]))
+            db = os.path.join(folder, "t.db")
+            pre.init(db, {"A": 10, "B": 0})
+            c = pre.connect(db)
             try:
-                connection = pre.connect(self.db)
-                try:
-                    barrier.wait(timeout=WATCHDOG)
-                    for op in mine:
-                        result = pre.execute(connection, op, plan())
-                        with lock:
-                            results.append(result)
-                finally:
-                    connection.close()
-            except BaseException as error:  # reported below, not lost in the thread
-                with lock:
-                    errors.append(error)
+                self.assertEqual(module.execute(c, "job-1", plan(), issued_at=0, now=0), APPLIED)
+                self.assertEqual(module.execute(c, "job-1", plan(), issued_at=0, now=0),
+                                 {"status": "replayed", "result": APPLIED})
+                pre.change(c, "other-1", "B", 2, issued_at=0, now=0)
+                self.assertEqual(module.execute(c, "job-2", plan(), issued_at=0, now=0),
+                                 {"status": "stale", "observed": {"A": 2, "B": 3}})
+                self.assertEqual(pre.snapshot(c)["resources"], {"A": {"quantity": 7, "revision": 2},
+                                                                "B": {"quantity": 5, "revision": 3}})
+            finally:
+                c.close()
 
-        threads = [threading.Thread(target=worker, args=(ops[k::8],), daemon=True)
-                   for k in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WATCHDOG)
-        self.assertEqual(errors, [])
-        self.assertEqual(len(results), len(ops))
-        return results
+    def test_the_kit_list_is_exactly_what_execute_needs(self):
+        found = definitions(MODULE)
+        needed, todo = set(), ["execute"]
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo += [node.id for node in ast.walk(found[name][0])
+                         if isinstance(node, ast.Name) and node.id in found and node.id != name]
+        self.assertEqual(needed, set(KIT))
+        with open(MODULE, encoding="utf-8") as handle:
+            body = ast.parse(handle.read()).body
+        imported = {alias.asname or alias.name for node in body
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        used = {node.id for name in needed for node in ast.walk(found[name][0])
+                if isinstance(node, ast.Name) and node.id in imported}
+        self.assertLessEqual(used, {"hashlib", "json", "os", "sqlite3", "contextmanager"})
 
-    def test_distinct_ops_racing_on_one_snapshot_apply_exactly_once(self):
-        results = self.submit_from_threads([f"job-{k}" for k in range(16)])
-        statuses = sorted(result["status"] for result in results)
-        self.assertEqual(statuses, ["applied"] + ["stale"] * 15)
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 3, "revision": 2}}, 1, 16)
+    def test_the_twin_definitions_are_identical_in_reliability_py(self):
+        twin = os.path.join(HERE, "reliability.py")
+        if not os.path.exists(twin):
+            self.skipTest("reliability.py is not next to this file (article 7's download has only preconditions.py)")
+        mine, theirs = definitions(MODULE), definitions(twin)
+        for name in TWINS:
+            with self.subTest(name):
+                self.assertIn(name, theirs)
+                self.assertEqual(mine[name][1], theirs[name][1])
 
-    def test_one_op_submitted_16_times_applies_once_and_replays_15(self):
-        results = self.submit_from_threads(["job-1"] * 16)
-        applied = [result for result in results if result["status"] == "applied"]
-        replayed = [result for result in results if result["status"] == "replayed"]
-        self.assertEqual((len(applied), len(replayed)), (1, 15))
-        self.assertTrue(all(result["result"] == applied[0] for result in replayed))
-        self.assert_state({"A": {"quantity": 7, "revision": 2},
-                           "B": {"quantity": 3, "revision": 2}}, 1, 1)
+    def test_transaction_is_the_articles_wrapper_line_for_line(self):
+        self.assertEqual(definitions(MODULE)["transaction"][1].splitlines(), ARTICLE_TRANSACTION.splitlines())
 
-    def test_processes_contending_for_the_lock_all_finish_without_busy_errors(self):
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); import preconditions as p\n"
-                "c = p.connect(sys.argv[2]); print('READY', flush=True); sys.stdin.readline()\n"
-                "for _ in range(int(sys.argv[3])): p.change(c, 'B', 1)\n"
-                "c.close()")
-        argv = [sys.executable, "-I", "-S", "-c", code, os.path.dirname(MODULE), self.db, "20"]
-        procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        outcomes = []
-        watchdog = threading.Timer(WATCHDOG, lambda: [proc.kill() for proc in procs])
-        watchdog.start()
-        try:
-            ready = [proc.stdout.readline() for proc in procs]  # all three start together
-            for proc in procs:
-                proc.stdin.write("GO\n")
-                proc.stdin.flush()
-            for _ in range(20):  # this process is the third contender
-                pre.change(self.c, "B", 1)
-        finally:
-            for proc in procs:
-                with proc:
-                    outcomes.append((proc.communicate(timeout=WATCHDOG), proc.returncode))
-            watchdog.cancel()
-        self.assertEqual(ready, ["READY\n"] * 2)
-        self.assertEqual(outcomes, [(("", ""), 0)] * 2)
-        self.assertEqual(self.state()["resources"]["B"], {"quantity": 60, "revision": 61})
+    def test_all_equals_the_readmes_public_list(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            lines = [line for line in handle if line.startswith("`preconditions.__all__`:")]
+        self.assertEqual(len(lines), 1, "README.md needs exactly one line starting with `preconditions.__all__`:")
+        self.assertEqual(set(pre.__all__), set(re.findall(r"`([^`]+)`", lines[0].split(":", 1)[1])))
 
 
-# --- experiment scenarios ------------------------------------------------------------
-# The article's 11 scenario groups run once per test process through the driver, with
-# real children that die by os._exit, and the tests below read what that run observed.
+# === driver tests (they read the shared experiment run) ===
+# run_experiment.start_shared() started every scenario in setUpModule; these read that one run.
 
 ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_7"]
-_RUNS = run_experiment.shared_runs  # one run of every scenario per test process
+MATRIX = [name for name in run_experiment.SCENARIOS if name.startswith("preconditions/")]
 
 
-def scenario(name):
-    return _RUNS()[name].stages
+def committed_results():
+    with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
-class Scenarios(unittest.TestCase):
+class DriverScenarios(unittest.TestCase):
+    """第七篇's 11 scenario groups as run_experiment.py runs them, against the committed results.json."""
+
     def test_the_driver_names_exactly_the_articles_11_scenario_groups(self):
         self.assertEqual(ARTICLE_7, [
-            "unsafe_check_then_act", "safe_stale_rejected", "lost_ack_replay", "replan_new_id",
-            "aba_revision", "crash_points", "stale_rejection_durable", "trigger_faults",
-            "concurrent_distinct_ops", "concurrent_same_op", "undeclared_dependency"])
+            "unsafe_check_then_act", "safe_stale_rejected", "lost_ack_replay", "replan_new_id", "aba_revision",
+            "crash_points", "stale_rejection_durable", "trigger_faults", "concurrent_distinct_ops",
+            "concurrent_same_op", "undeclared_dependency"])
 
     def test_every_scenario_holds_its_invariants_and_passes_quick_check(self):
-        for name in ARTICLE_7:
+        runs = run_experiment.shared_runs()
+        for name in ARTICLE_7 + MATRIX:
             with self.subTest(name):
-                self.assertEqual(_RUNS()[name].failures, [])
-                self.assertTrue(_RUNS()[name].integrity)
-                self.assertEqual(set(_RUNS()[name].integrity.values()), {"ok"})
+                self.assertEqual(runs[name].failures, [])
+                self.assertTrue(runs[name].integrity)
+                self.assertEqual(set(runs[name].integrity.values()), {"ok"})
 
-    def test_rerun_reproduces_the_committed_results_json(self):
-        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
-            committed = json.load(handle)["article_7"]
-        self.assertEqual(run_experiment.differences(committed, run_experiment.results_of(_RUNS().values())["article_7"]), [])
+    def test_article_7_results_equal_the_committed_results_json(self):
+        observed = run_experiment.results_of(run_experiment.shared_runs()[name] for name in ARTICLE_7)
+        self.assertEqual(run_experiment.differences(committed_results()["article_7"], observed["article_7"]), [])
 
-    def test_unsafe_check_then_act_builds_on_a_state_changed_after_its_check(self):
-        final = scenario("unsafe_check_then_act")["after_go"]
-        self.assertEqual((final["status"], final["exit_code"]), ("applied", 0))
-        self.assertEqual((final["quantities"], final["revisions"], final["effects"]),
-                         ({"A": 7, "B": 5}, {"A": 2, "B": 3}, 1))
-
-    def test_safe_entry_after_the_same_interleaving_is_stale(self):
-        final = scenario("safe_stale_rejected")["after_go"]
-        self.assertEqual((final["status"], final["observed"]), ("stale", {"A": 1, "B": 2}))
-        self.assertEqual((final["quantities"], final["effects"], final["receipts"]), ({"A": 10, "B": 2}, 0, 1))
-
-    def test_crash_after_source_update_leaves_nothing_and_a_retry_applies(self):
-        stages = scenario("crash_points")
-        crashed, retried = stages["after_source_update.after_crash"], stages["after_source_update.after_retry"]
-        self.assertEqual(crashed["exit_code"], 71)
-        self.assertEqual((crashed["quantities"], crashed["effects"], crashed["receipts"]), ({"A": 10, "B": 0}, 0, 0))
-        self.assertEqual((retried["status"], retried["quantities"]), ("applied", {"A": 7, "B": 3}))
-
-    def test_crash_before_commit_leaves_nothing_and_a_retry_applies(self):
-        stages = scenario("crash_points")
-        crashed, retried = stages["before_commit.after_crash"], stages["before_commit.after_retry"]
-        self.assertEqual(crashed["exit_code"], 72)
-        self.assertEqual((crashed["quantities"], crashed["effects"], crashed["receipts"]), ({"A": 10, "B": 0}, 0, 0))
-        self.assertEqual((retried["status"], retried["effects"]), ("applied", 1))
-
-    def test_crash_after_commit_keeps_everything_and_a_retry_is_replayed(self):
-        stages = scenario("crash_points")
-        crashed, retried = stages["after_commit.after_crash"], stages["after_commit.after_retry"]
-        self.assertEqual(crashed["exit_code"], 73)
-        self.assertEqual((crashed["quantities"], crashed["revisions"], crashed["effects"], crashed["receipts"]),
-                         ({"A": 7, "B": 3}, {"A": 2, "B": 2}, 1, 1))
-        self.assertEqual((retried["status"], retried["effects"]), ("replayed", 1))
-
-    def test_committed_stale_rejection_survives_the_exit_and_is_replayed(self):
-        stages = scenario("stale_rejection_durable")
-        self.assertEqual((stages["after_crash"]["exit_code"], stages["after_crash"]["receipts"]), (73, 1))
-        final = stages["after_retry"]
-        self.assertEqual((final["status"], final["stored_status"], final["effects"]), ("replayed", "stale", 0))
-
-    def test_lost_ack_replay_and_replan_under_a_new_id(self):
-        lost = scenario("lost_ack_replay")
-        self.assertEqual((lost["after_first"]["status"], lost["after_retry"]["status"]), ("applied", "replayed"))
-        self.assertEqual(lost["after_retry"]["effects"], 1)
-        replan = scenario("replan_new_id")
-        self.assertEqual([replan[stage]["status"] for stage in ("after_stale", "after_same_id", "after_new_id")],
-                         ["stale", "conflict", "applied"])
-
-    def test_aba_and_undeclared_dependency_scenarios(self):
-        aba = scenario("aba_revision")["after_execute"]
-        self.assertEqual((aba["status"], aba["quantities"]["A"], aba["revisions"]["A"]), ("stale", 10, 3))
-        undeclared = scenario("undeclared_dependency")["after_execute"]
-        self.assertEqual((undeclared["status"], undeclared["quantities"]["C"]), ("applied", 4))
-
-    def test_trigger_faults_and_races_in_the_experiment(self):
-        stages = scenario("trigger_faults")
-        for stage in ("destination_update_fault", "receipt_insert_fault"):
-            self.assertEqual((stages[stage]["error"], stages[stage]["effects"], stages[stage]["receipts"]),
-                             ("IntegrityError", 0, 0))
-        self.assertEqual(scenario("concurrent_distinct_ops")["after_race"]["statuses"], {"applied": 1, "stale": 15})
-        self.assertEqual(scenario("concurrent_same_op")["after_race"]["statuses"], {"applied": 1, "replayed": 15})
-
-
-class CrashMatrix(unittest.TestCase):
-    """Every boundary in preconditions.BOUNDARIES, crashed for real, then retried by a new process."""
-
-    def test_every_boundary_is_all_or_nothing_and_its_retry_answers_right(self):
-        runs = _RUNS()
-        for boundary in pre.BOUNDARIES:
-            run = runs[f"preconditions/{boundary}"]
-            with self.subTest(boundary):
-                self.assertEqual(run.failures, [])
-                fresh = run.stages["fresh"]
-                self.assertEqual(fresh["exit_code"], pre.EXIT_CODES[boundary])
-                committed = boundary == "after_commit"
-                self.assertEqual((fresh["effects_after_crash"], fresh["retry"], fresh["outcome"], fresh["effects"]),
-                                 (int(committed), "replayed" if committed else "applied", "applied", 1))
-        stale = runs["preconditions/after_commit"].stages["stale"]
-        self.assertEqual((stale["exit_code"], stale["retry"], stale["outcome"], stale["effects"]),
-                         (73, "replayed", "stale", 0))
-
-    def test_the_matrix_reproduces_results_json(self):
-        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
-            committed = json.load(handle)["crash_matrix"]
-        observed = run_experiment.results_of(_RUNS().values())["crash_matrix"]
-        self.assertEqual(run_experiment.differences(
-            {k: v for k, v in committed.items() if k.startswith("preconditions/")},
-            {k: v for k, v in observed.items() if k.startswith("preconditions/")}), [])
-
-
-STRACE = shutil.which("strace")
-
-
-def strace_works():
-    """strace must exist and be allowed to trace (ptrace is often forbidden in containers)."""
-    if not STRACE:
-        return False
-    probe = subprocess.run([STRACE, "-o", os.devnull, "true"], capture_output=True, timeout=WATCHDOG)
-    return probe.returncode == 0
-
-
-@unittest.skipUnless(strace_works(), "needs a working strace to make fdatasync fail for real")
-class CommitFailure(Case):
-    """An error from COMMIT is an unknown outcome: strace fails the commit's fdatasync for real."""
-
-    def test_a_failed_commit_may_or_may_not_survive_and_a_retry_by_op_ends_with_one_effect(self):
-        # The first fdatasync of a fresh WAL syncs its header; the second is the commit.
-        variants = {"error survives": "error=EIO:when=2", "then SIGKILL": "error=EIO:signal=SIGKILL:when=2"}
-        dbs, children = {}, {}
-        for name, inject in variants.items():
-            dbs[name] = self.make_db(name.replace(" ", "-") + ".db")
-            children[name] = subprocess.Popen(
-                [STRACE, "-f", "-o", os.devnull, "-e", "trace=fdatasync", "-e", f"inject=fdatasync:{inject}",
-                 "-P", os.path.abspath(dbs[name]) + "-wal", *child("execute", dbs[name], "job-1", json.dumps(plan()))],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        outcomes = {name: (proc.communicate(timeout=WATCHDOG), proc.returncode) for name, proc in children.items()}
-        (_, err), code = outcomes["error survives"]
-        self.assertEqual(code, 1)
-        self.assertIn("disk I/O error", err)
-        self.assertEqual(outcomes["then SIGKILL"][1], -9)
-        # The process that saw the error rolled back and closed: nothing kept.  The one
-        # killed right after the failed fdatasync left its WAL frames: recovery keeps them.
-        self.assertEqual(self.state(dbs["error survives"])["effects"], 0)
-        self.assertEqual(self.state(dbs["then SIGKILL"])["effects"], 1)
-        for name, retry in (("error survives", "applied"), ("then SIGKILL", "replayed")):
-            connection = self.open(dbs[name])
-            self.assertEqual(pre.execute(connection, "job-1", plan())["status"], retry)
-            self.assertEqual(self.state(dbs[name])["effects"], 1)
-            self.assertEqual(connection.execute("PRAGMA integrity_check").fetchone()[0], "ok")
-
-
-class CommandLine(unittest.TestCase):
-    """The script itself, started as the experiment's --exec mode starts it: isolated, no site."""
-
-    def test_cli_prints_one_json_line_and_maps_errors_to_exit_codes(self):
+    def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
         with tempfile.TemporaryDirectory() as folder:
-            db = os.path.join(folder, "cli.db")
-            made = subprocess.run(child("init", db, "A=10", "B=0"), capture_output=True, text=True, timeout=WATCHDOG)
-            self.assertEqual((made.returncode, made.stderr), (0, ""))
-            self.assertEqual(made.stdout, json.dumps(snapshot_of(db), sort_keys=True, separators=(",", ":")) + "\n")
-            self.assertEqual(self.main("execute", db), (2, "", None))
-            code, out, err = self.main("execute", db, "job-1", json.dumps(plan(amount=True)))
-            self.assertEqual((code, out), (1, ""))
-            self.assertEqual(len(err.splitlines()), 1)
-            self.assertIn("TypeError: amount must be an int", err)
-            self.assertEqual(snapshot_of(db), {"resources": START, "effects": 0, "receipts": 0})
-
-    @staticmethod
-    def main(*argv):
-        """main() in this process: (exit code, stdout, stderr or None for argparse's usage text)."""
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = pre.main(list(argv))
-            except SystemExit as usage:
-                return usage.code, out.getvalue(), None
-        return code, out.getvalue(), err.getvalue()
+            for name in ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md"):
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
+            env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+            code, out, err = run_child([sys.executable, "run_experiment.py", "--check"], cwd=folder, env=env)
+            self.assertEqual(code, 0, out + err)
+            self.assertIn(f"{len(ARTICLE_7) + len(MATRIX)}/{len(ARTICLE_7) + len(MATRIX)} scenarios match results.json",
+                          out)
+            self.assertNotIn("reliability/", out)
+            code, out, err = run_child([sys.executable, "-c", "import sys, test_preconditions; "
+                                        "assert 'reliability' not in sys.modules"], cwd=folder, env=env)
+            self.assertEqual((code, err), (0, ""))
+            self.assertEqual(sorted(os.listdir(folder)), ["README.md", "preconditions.py", "results.json",
+                                                          "run_experiment.py", "test_preconditions.py"])
 
 
-class Files(Case):
-    def test_connect_on_a_missing_file_raises_and_creates_nothing(self):
-        before = sorted(os.listdir(self.dir))
-        with self.assertRaises(FileNotFoundError):
-            pre.connect(os.path.join(self.dir, "missing.db"))
-        self.assertEqual(sorted(os.listdir(self.dir)), before)
+class DriverCrashMatrix(unittest.TestCase):
+    """第七篇 §6: every boundary in EXIT_CODES crashed for real by the driver, then retried by a new process."""
 
-    def test_garbage_zero_byte_and_foreign_files_are_refused(self):
-        garbage = os.path.join(self.dir, "garbage.db")
-        with open(garbage, "wb") as handle:
-            handle.write(b"not a database, just bytes\n" * 200)
-        empty = os.path.join(self.dir, "empty.db")
-        open(empty, "wb").close()
-        foreign = os.path.join(self.dir, "foreign.db")
-        self.sql("CREATE TABLE resources (name TEXT)", path=foreign)
-        for path in (garbage, empty, foreign):
-            size = os.path.getsize(path)
-            with self.subTest(path=os.path.basename(path)):
-                with self.assertRaisesRegex(sqlite3.DatabaseError, "^" + re.escape(path)):
-                    pre.connect(path)
-                self.assertEqual(os.path.getsize(path), size)
-                self.assertFalse(os.path.exists(path + "-wal"))
+    def test_every_boundary_has_a_row_that_is_all_or_nothing(self):
+        runs = run_experiment.shared_runs()
+        self.assertEqual(MATRIX, [f"preconditions/{boundary}" for boundary in pre.EXIT_CODES])
+        for boundary, code in pre.EXIT_CODES.items():
+            fresh = runs[f"preconditions/{boundary}"].stages["fresh"]
+            committed = boundary == "after_commit"
+            with self.subTest(boundary):
+                self.assertEqual(fresh, {"exit_code": code, "effects_after_crash": int(committed),
+                                         "retry": "replayed" if committed else "applied", "outcome": "applied",
+                                         "effects": 1})
+        self.assertEqual(runs["preconditions/after_commit"].stages["stale"],
+                         {"exit_code": 73, "effects_after_crash": 0, "retry": "replayed", "outcome": "stale",
+                          "effects": 0})
 
-    def test_init_refuses_to_overwrite_anything(self):
-        with self.assertRaises(FileExistsError):
-            pre.init(self.db, {"A": 1})
-        self.assert_state(START, 0, 0)
-        other = os.path.join(self.dir, "notes.txt")
-        with open(other, "w") as handle:
-            handle.write("keep me")
-        with self.assertRaises(FileExistsError):
-            pre.init(other, {"A": 1})
-        with open(other) as handle:
-            self.assertEqual(handle.read(), "keep me")
-
-    def test_init_refuses_a_journal_left_by_an_earlier_database_of_that_name(self):
-        path = os.path.join(self.dir, "reused.db")
-        with open(path + "-wal", "wb") as handle:
-            handle.write(b"frames of some other database")
-        with self.assertRaises(FileExistsError):
-            pre.init(path, {"A": 1})
-        self.assertFalse(os.path.exists(path))
-
-    def test_init_validates_resources_and_creates_nothing_when_refused(self):
-        path = os.path.join(self.dir, "new.db")
-        for resources, error in (({"A": True}, TypeError), ({"A": -1}, ValueError),
-                                 ({"A": pre.MAX_INT64 + 1}, ValueError), ({}, ValueError),
-                                 ({"": 1}, ValueError), ([("A", 1)], TypeError)):
-            with self.subTest(resources=resources):
-                with self.assertRaises(error):
-                    pre.init(path, resources)
-                self.assertFalse(os.path.exists(path))
-
-    def test_paths_with_uri_special_characters_open_the_right_file(self):
-        folder = os.path.join(self.dir, "odd %41 #dir?")
-        os.mkdir(folder)
-        path = os.path.join(folder, "odd ?name#%41.db")
-        pre.init(path, {"A": 1, "B": 2})
-        self.assertEqual(self.state(path)["resources"]["B"], {"quantity": 2, "revision": 1})
-        # The database and its writer queue, both under the exact name given.
-        self.assertEqual(sorted(os.listdir(folder)), ["odd ?name#%41.db", "odd ?name#%41.db-queue"])
-        with self.assertRaises(FileNotFoundError):
-            pre.connect(os.path.join(folder, "odd ?other.db"))
-        self.assertEqual(sorted(os.listdir(folder)), ["odd ?name#%41.db", "odd ?name#%41.db-queue"])
-
-    def test_every_connection_reports_wal_full_foreign_keys_and_the_busy_deadline(self):
-        for connection in (self.c, self.open()):
-            self.assertIsNone(connection.isolation_level)
-            self.assertEqual(connection.execute("PRAGMA journal_mode").fetchone()[0], "wal")
-            self.assertEqual(connection.execute("PRAGMA synchronous").fetchone()[0], 2)
-            self.assertEqual(connection.execute("PRAGMA foreign_keys").fetchone()[0], 1)
-            self.assertEqual(connection.execute("PRAGMA busy_timeout").fetchone()[0],
-                             pre.BUSY_DEADLINE * 1000)
-
-    def test_snapshot_is_sorted_and_counts_effects_and_receipts(self):
-        db = self.make_db("many.db", {"b": 1, "C": 2, "a": 3})
-        c = self.open(db)
-        pre.execute(c, "job-1", plan(src="a", dst="b", amount=1))
-        pre.execute(c, "job-2", plan(src="a", dst="b", amount=1))
-        snap = pre.snapshot(c)
-        self.assertEqual(list(snap["resources"]), ["C", "a", "b"])
-        self.assertEqual((snap["effects"], snap["receipts"]), (1, 2))
+    def test_the_preconditions_rows_equal_the_committed_results_json(self):
+        committed = {name: row for name, row in committed_results()["crash_matrix"].items() if name in MATRIX}
+        observed = run_experiment.results_of(run_experiment.shared_runs()[name] for name in MATRIX)
+        self.assertEqual(run_experiment.differences(committed, observed["crash_matrix"]), [])
 
 
 if __name__ == "__main__":
