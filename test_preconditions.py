@@ -15,6 +15,7 @@ if sys.version_info < (3, 9):  # one clear line (unittest would turn SystemExit 
 
 import ast
 import collections
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -107,11 +108,12 @@ def paused_child(argv, between):
     return ready, proc.returncode, out.decode("utf-8"), err.decode("utf-8")
 
 
+@functools.lru_cache(maxsize=None)
 def definitions(path):
-    """{name: (node, source segment incl. decorators)} of a module's top-level definitions, in source order."""
+    """{name: (node, source lines incl. decorators)} of a module's top-level definitions, in source order."""
     with open(path, encoding="utf-8") as handle:
         source = handle.read()
-    found = {}
+    lines, found = source.splitlines(True), {}
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names = [node.name]
@@ -119,9 +121,8 @@ def definitions(path):
             names = [target.id for target in node.targets if isinstance(target, ast.Name)]
         else:
             continue
-        segment = ast.get_source_segment(source, node)
-        if getattr(node, "decorator_list", None):  # the segment starts at the first "@"
-            segment = "".join(source.splitlines(True)[node.decorator_list[0].lineno - 1:node.lineno - 1]) + segment
+        first = min([node.lineno] + [decorator.lineno for decorator in getattr(node, "decorator_list", [])])
+        segment = "".join(lines[first - 1:node.end_lineno]).rstrip("\n")
         for name in names:
             found[name] = (node, segment)
     return found

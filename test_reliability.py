@@ -15,6 +15,7 @@ one experiment run that runs in the background meanwhile.
 """
 import ast
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import io
@@ -965,7 +966,19 @@ class UnknownTest(Case):
             self.assertEqual((state(ws), counts(ws)["external"]), (("unknown", 1), 2))
 
     def test_a_locale_without_utf8_does_not_garble_a_chinese_key_in_either_mode(self):
-        env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONIOENCODING="latin-1")
+        # A real ISO-8859-1 locale, built here (C would be coerced to UTF-8 and prove nothing).
+        locales = tempfile.TemporaryDirectory()
+        self.addCleanup(locales.cleanup)
+        try:
+            subprocess.run(["localedef", "-i", "en_US", "-f", "ISO-8859-1",
+                            os.path.join(locales.name, "en_US.ISO-8859-1")], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            self.skipTest(f"cannot build an ISO-8859-1 locale here: {error}")
+        env = dict(os.environ, LOCPATH=locales.name, LC_ALL="en_US.ISO-8859-1", LANG="en_US.ISO-8859-1",
+                   PYTHONUTF8="0", PYTHONIOENCODING="latin-1")
+        probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import sys; print(sys.stdin.encoding)"],
+                               env=env, stdin=subprocess.DEVNULL, capture_output=True, check=True)
+        self.assertEqual(probe.stdout.strip(), b"iso8859-1")  # the child's text streams really are not UTF-8
         for mode, database in (("idempotent", "receiver"), ("external", "external")):
             with self.subTest(mode=mode), workspace() as ws:
                 payload = {"title": "打印机卡纸", "备注": "三楼"}
@@ -1873,22 +1886,17 @@ class DriverTest(unittest.TestCase):
                     self.assertIn("run_experiment.py: error:", err)
 
     @unittest.skipUnless(hasattr(os, "mkfifo") and hasattr(os, "killpg"), "a FIFO holds the driver still")
-    def test_ctrl_c_exits_130_quietly(self):
-        # --output to a FIFO nobody reads: after its scenario lines the driver waits in open(),
-        # so the interrupt lands while it runs, whatever the machine's speed.
+    @unittest.skipUnless(os.path.exists(os.path.join(HERE, "preconditions.py")), "--torture works both modules")
+    def test_ctrl_c_exits_130_quietly_and_leaves_nothing_behind(self):
+        # A 60 s torture run is surely still running, workers and tool children included, when the
+        # interrupt lands right after its first line: the timing of the machine does not matter.
         with tempfile.TemporaryDirectory() as directory:
-            fifo = os.path.join(directory, "results.fifo")
-            os.mkfifo(fifo)
-            child = subprocess.Popen([sys.executable, os.path.join(HERE, "run_experiment.py"), "--output", fifo],
+            child = subprocess.Popen([sys.executable, os.path.join(HERE, "run_experiment.py"), "--torture", "60"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1"))
+                                     env=dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1"))
             try:
-                seen = b""
-                while not re.search(rb"^  \S+ \S", seen, re.MULTILINE):  # the first scenario line
-                    self.assertTrue(select.select([child.stdout], [], [], WATCHDOG)[0], "no scenario line")
-                    chunk = os.read(child.stdout.fileno(), 65536)
-                    self.assertTrue(chunk, "the driver ended before its first scenario line")
-                    seen += chunk
+                self.assertTrue(select.select([child.stderr], [], [], WATCHDOG)[0], "no first line")
+                self.assertTrue(child.stderr.readline().startswith(b"Python "))
                 os.killpg(child.pid, signal.SIGINT)
                 _, err = child.communicate(timeout=WATCHDOG)
             finally:
@@ -1897,8 +1905,9 @@ class DriverTest(unittest.TestCase):
                     child.communicate()
             err = err.decode("utf-8")
             self.assertEqual(child.returncode, 130, err)
-            self.assertIn("interrupted", err)
+            self.assertEqual(err.splitlines()[-1], "run_experiment.py: interrupted")
             self.assertNotIn("Traceback", err)
+            self.assertEqual(os.listdir(directory), [])  # its temporary folder is gone
 
     @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
     def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
@@ -1940,16 +1949,104 @@ class DriverTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as directory:
             for name in five:
                 shutil.copyfile(os.path.join(HERE, name), os.path.join(directory, name))
+            # The article's command, on one scenario of each group: the same imports, registration and
+            # comparison as the whole run (which the README's --check already does), at a fraction of the time.
+            only = ["--only", "idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
             done = subprocess.run([sys.executable, "run_experiment.py", "--check", "results.json", "--output",
-                                   "reproduced.json"], cwd=directory, env=env, capture_output=True, timeout=WATCHDOG)
+                                   "reproduced.json", *only], cwd=directory, env=env, capture_output=True,
+                                  timeout=WATCHDOG)
             self.assertEqual(done.returncode, 0, done.stdout.decode("utf-8") + done.stderr.decode("utf-8"))
+            self.assertIn(b"3/3 scenarios match results.json", done.stdout)
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
+            listed = subprocess.run([sys.executable, "run_experiment.py", "--list"], cwd=directory, env=env,
+                                    capture_output=True, timeout=WATCHDOG).stdout.decode("utf-8")
+            self.assertEqual(len(listed.splitlines()), 32)  # 16 + 5 + 11 matrix rows: nothing of article 7
             done = subprocess.run([sys.executable, "-c", "import test_reliability"], cwd=directory, env=env,
                                   capture_output=True, timeout=WATCHDOG)
             self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8"))
             self.assertEqual(sorted(os.listdir(directory)), sorted(five + ("reproduced.json",)))
 
+
+
+@functools.lru_cache(maxsize=None)
+def module_definitions(path):
+    """Module-level names defined in a file (read as text: the other module may be absent)."""
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))} | {
+        target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+        if isinstance(target, ast.Name)}
+
+
+class ReadmeTest(unittest.TestCase):
+    """README.md stays true: its commands are CI's, its map names what exists, its figures are measured."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            cls.text = handle.read()
+        cls.lines = cls.text.splitlines()
+
+    def table(self, heading):
+        start = next(i for i, line in enumerate(self.lines) if line.startswith(heading))
+        rows = []
+        for line in self.lines[start + 2:]:
+            if not line.startswith("|"):
+                return rows
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        return rows
+
+    def test_it_is_short_and_names_the_two_commands_ci_runs(self):
+        self.assertLessEqual(len(self.lines), 260)
+        self.assertIn("python3 -m unittest ", self.text)
+        self.assertIn("python3 run_experiment.py --check ", self.text)
+        with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as handle:
+            ci = handle.read()
+        self.assertIn('"$real" -m unittest && "$real" run_experiment.py --check', ci)
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            total = sum(len(group) for group in json.load(handle).values())
+        self.assertIn(f"{total}/{total} scenarios match results.json", self.text)
+
+    def test_the_map_names_only_functions_scenarios_and_tests_that_exist(self):
+        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
+            scenarios = {name for group in json.load(handle).values() for name in group}
+        present = {name: os.path.exists(os.path.join(HERE, name)) for name in
+                   ("preconditions.py", "test_preconditions.py")}
+        rows = self.table("| 章节 Section")
+        self.assertEqual(len(rows), 14)
+        tests = None
+        for section, code, scenario, test in rows:
+            article_7 = section.startswith("七") or "第七篇" in section
+            if article_7 and not present["preconditions.py"]:
+                continue
+            module = os.path.join(HERE, "preconditions.py" if article_7 else "reliability.py")
+            defined = module_definitions(module)
+            for name in re.findall(r"`([^`]+)`", code):
+                self.assertIn(name, defined, section)
+            for name in re.findall(r"`([^`]+)`", scenario):
+                self.assertIn(name, scenarios, section)
+            names = re.findall(r"`([^`]+)`", test)
+            if names[0].startswith("test_"):
+                tests = names[0].split(".")[0] + ".py"
+                names[0] = names[0].split(".", 1)[1]
+            if os.path.exists(os.path.join(HERE, tests)):
+                for name in names:
+                    self.assertIn(name, module_definitions(os.path.join(HERE, tests)), section)
+
+    def test_the_kit_line_counts_are_what_the_kits_measure(self):
+        rows = {row[0]: row for row in self.table("| 要用的")}
+        lines = lambda names: sum(len(segment(DEFINITIONS[name])) for name in closure(names))
+        self.assertEqual(rows["`reliability.receive`"][2], str(lines(["receive"])))
+        self.assertEqual(rows["`reliability.enqueue` + `claim` + `acknowledge`"][2],
+                         str(lines(["enqueue", "claim", "acknowledge"])))
+        self.assertIn(f"`claim` + `acknowledge`：{lines(['claim', 'acknowledge'])} 行",
+                      rows["`reliability.enqueue` + `claim` + `acknowledge`"][1])
+        for row in rows.values():  # each kit lists exactly what the closure holds
+            if row[0].startswith("`reliability."):
+                roots = re.findall(r"`(?:reliability\.)?([^`]+)`", row[0])
+                listed = set(re.findall(r"`([^`]+)`", row[1].split("（")[0])) | set(roots)
+                self.assertEqual(listed, closure(roots))
 
 if __name__ == "__main__":  # keep last: classes defined below it would not run under `python3 test_reliability.py`
     unittest.main()
