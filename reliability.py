@@ -828,8 +828,11 @@ def main(argv=None):
                              " [--crash BOUNDARY of that tool]\n")
             return 2
         CRASH_AT = crash[0] if crash else None
+        request = sys.stdin.buffer.readline()
+        if not request:  # the sender went away before asking: nothing to answer, nothing to say
+            return 1
         try:
-            line = _serve(argv[1], argv[2], sys.stdin.buffer.readline())
+            line = _serve(argv[1], argv[2], request)
         except (KeyError, ValueError, TypeError, OSError, sqlite3.Error, CorruptRecord) as error:
             sys.stderr.write(f"reliability.py serve: {type(error).__name__}: {error}\n")
             return 1

@@ -1677,6 +1677,7 @@ def _main(argv):
     for (boundary, _), name in COVERS.items():  # a matrix row's covered cells come from these runs
         if f"reliability/{boundary}" in names and name not in names:
             names.append(name)
+    names = [name for name in SCENARIOS if name in names]  # in article order, whatever the command line's
     versions(sys.stderr)
     out = sys.stderr if args.json else sys.stdout
     ok_mark, bad_mark, arrow = marks(out)

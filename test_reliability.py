@@ -1897,6 +1897,10 @@ class DriverTest(unittest.TestCase):
             try:
                 self.assertTrue(select.select([child.stderr], [], [], WATCHDOG)[0], "no first line")
                 self.assertTrue(child.stderr.readline().startswith(b"Python "))
+                deadline = time.monotonic() + WATCHDOG  # its folder exists: the run has begun
+                while not any(name.startswith("torture-") for name in os.listdir(directory)):
+                    self.assertLess(time.monotonic(), deadline, "no torture folder")
+                    time.sleep(0.005)
                 os.killpg(child.pid, signal.SIGINT)
                 _, err = child.communicate(timeout=WATCHDOG)
             finally:
@@ -1956,7 +1960,7 @@ class DriverTest(unittest.TestCase):
                                    "reproduced.json", *only], cwd=directory, env=env, capture_output=True,
                                   timeout=WATCHDOG)
             self.assertEqual(done.returncode, 0, done.stdout.decode("utf-8") + done.stderr.decode("utf-8"))
-            self.assertIn(b"3/3 scenarios match results.json", done.stdout)
+            self.assertIn(b"4/4 scenarios match results.json", done.stdout)  # + after_claim, a matrix cell
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
             listed = subprocess.run([sys.executable, "run_experiment.py", "--list"], cwd=directory, env=env,
