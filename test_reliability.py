@@ -1,10 +1,4 @@
-import os, sys
-if sys.version_info < (3, 9):
-    sys.stderr.write("test_reliability.py needs Python 3.9 or newer; this is %s\n" % sys.version.split()[0])
-    sys.stderr.flush()
-    os._exit(2)
-
-__doc__ = """Boundary tests for reliability.py, in the order of 第一篇「工具干完了，回执丢了怎么办？」.
+"""Boundary tests for reliability.py, in the order of 第一篇「工具干完了，回执丢了怎么办？」.
 
 Run with ``python3 test_reliability.py`` or ``python3 -X dev -W error -m unittest test_reliability``.
 Every test works on real SQLite files in a fresh temporary directory; crashes are real
@@ -13,6 +7,14 @@ unittest.mock, as the article says: a tool child that times out, and a batch of
 children whose start-up fails half way.  The driver tests come last: they read the
 one experiment run that runs in the background meanwhile.
 """
+import os
+import sys
+
+if sys.version_info < (3, 9):  # one clear line (unittest would turn SystemExit into a traceback)
+    sys.stderr.write("test_reliability.py needs Python 3.9 or newer; this is %s\n" % sys.version.split()[0])
+    sys.stderr.flush()
+    os._exit(2)
+
 import ast
 import contextlib
 import functools
