@@ -516,9 +516,10 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     Writers of different processes take turns on a POSIX record lock (fcntl.lockf) on
     ``<db>-queue``, which the kernel releases when its holder dies, even if it forked.
     Random short pauses instead of SQLite's growing back-off let no writer starve
-    (README: contention with and without it).  Threads of one process are not queued
-    against each other; their BEGIN IMMEDIATE still waits its busy timeout.  Raises
-    Busy after ``deadline`` seconds in line.  Without fcntl (Windows) it does nothing.
+    (README: contention with and without it).  The lock belongs to the process, so use
+    it from one thread per process: two threads of one process both pass, and the first
+    to leave releases the other's place.  Raises Busy after ``deadline`` seconds in
+    line, with nothing written.  Without fcntl (Windows) it does nothing.
     """
     if fcntl is None:
         yield connection
