@@ -88,7 +88,8 @@ def execute(c, op, command, *, issued_at, now):
     overflow, else applied (both rows updated with revision + 1, one effect row).  Each
     of these is stored as the op's terminal receipt, in the same transaction.  Beyond
     the article: an op issued (``issued_at``) before purge()'s low-water mark that has
-    no receipt is "expired", not decided again.  Conflict and expired are not stored.
+    no receipt is "expired", not decided again; so a retry must pass the tick its op
+    was decided at, not a fresh one.  Conflict and expired are not stored.
     """
     validate(op, command)
     check_ticks(issued_at, now)
@@ -171,7 +172,8 @@ def purge(c, now, window):
     may be a late retry of a decision already made); the mark never moves backwards.
     """
     check_ticks(0, now)
-    _check_int(window, "window", 1, MAX_TICK)
+    if type(window) is not int or not 0 < window <= MAX_TICK:
+        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK}, not {window!r}")
     mark = now - window
     if mark < 0:
         raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")
@@ -441,8 +443,9 @@ def crash_point(name):
 # --- command line: what the experiment's child processes run ----------------------------------
 
 def main(argv=None):
-    """preconditions.py init DB NAME=QTY... | execute DB OP COMMAND_JSON --now T [--crash B] [--wait]
-    | change DB OP NAME DELTA --now T | unsafe-check-then-act DB OP COMMAND_JSON | snapshot DB
+    """preconditions.py init DB NAME=QTY... | execute DB OP COMMAND_JSON --now T [--issued-at T0]
+    [--crash B] [--wait] | change DB OP NAME DELTA --now T [--issued-at T0]
+    | unsafe-check-then-act DB OP COMMAND_JSON | snapshot DB
 
     Prints one line of compact sorted-key JSON (after READY where --wait or the unsafe
     baseline waits for GO on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or
@@ -459,15 +462,19 @@ def main(argv=None):
                                                       if name.startswith("unsafe") else ""))
         p.add_argument("db"), p.add_argument("op"), p.add_argument("command", metavar="COMMAND_JSON")
     p = sub.choices["execute"]
-    p.add_argument("--now", type=int, required=True, help="logical tick (also the issue tick)")
+    p.add_argument("--now", type=int, required=True, help="logical tick")
+    p.add_argument("--issued-at", type=int, help="the tick the op was decided at (default --now); a retry "
+                   "must pass the original one, or a retry after purge() could be decided again")
     p.add_argument("--crash", choices=EXIT_CODES, help="exit with EXIT_CODES[CRASH] at that boundary")
     p.add_argument("--wait", action="store_true", help="print READY and wait for GO on stdin first")
     p = sub.add_parser("change", help="quantity + DELTA, revision + 1, once per OP")
     p.add_argument("db"), p.add_argument("op"), p.add_argument("name"), p.add_argument("delta", type=int)
-    p.add_argument("--now", type=int, required=True, help="logical tick (also the issue tick)")
+    p.add_argument("--now", type=int, required=True, help="logical tick")
+    p.add_argument("--issued-at", type=int, help="the tick the op was decided at (default --now)")
     sub.add_parser("snapshot", help="print the current state").add_argument("db")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     CRASH_AT = getattr(args, "crash", None)
+    issued_at = getattr(args, "now", None) if getattr(args, "issued_at", None) is None else args.issued_at
     try:
         if args.subcommand == "init":
             resources = {}
@@ -483,7 +490,7 @@ def main(argv=None):
             if args.subcommand == "snapshot":
                 _emit(snapshot(connection))
             elif args.subcommand == "change":
-                _emit(change(connection, args.op, args.name, args.delta, issued_at=args.now, now=args.now))
+                _emit(change(connection, args.op, args.name, args.delta, issued_at=issued_at, now=args.now))
             else:
                 command = json.loads(args.command, object_pairs_hook=_no_repeats)
                 if args.subcommand.startswith("unsafe"):
@@ -491,7 +498,7 @@ def main(argv=None):
                 else:
                     if args.wait:
                         _wait_for_go()
-                    _emit(execute(connection, args.op, command, issued_at=args.now, now=args.now))
+                    _emit(execute(connection, args.op, command, issued_at=issued_at, now=args.now))
         finally:
             connection.close()
         return 0

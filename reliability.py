@@ -137,7 +137,7 @@ class CorruptRecord(Exception):
 # --- 第一篇 §2: the intent is written first ---------------------------------------------
 
 def enqueue(connection, caller, key, payload, *, now, mode="idempotent"):
-    """Persist the intent and its outbox row in one transaction, once per (caller, key).
+    """第一篇 §2: persist the intent and its outbox row in one transaction, once per (caller, key).
 
     "accepted", or "duplicate" for the same intent again (nothing added); the same key
     with another payload or mode raises Conflict.  ``now`` is the intent's issue tick,
@@ -178,7 +178,7 @@ def transaction(connection):
 
 
 def receive(connection, caller, key, payload, *, issued_at, now):
-    """Create one ticket per (caller, key), however often the request arrives.
+    """第一篇 §3: create one ticket per (caller, key), however often the request arrives.
 
     The receipt check, the ticket and the receipt share one BEGIN IMMEDIATE
     transaction: a replay returns the identical response, rebuilt from the receipt;
@@ -215,7 +215,7 @@ def receive(connection, caller, key, payload, *, issued_at, now):
 # --- 第一篇 §4: delivery by a real child process ------------------------------------------
 
 def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
-    """Claim one due row (§5), call its tool in a child process, record what can be proven.
+    """第一篇 §4: claim one due row (§5), call its tool in a child process, record what can be proven.
 
     No database lock is held while the child runs.  Returns deliver()'s summary, or
     None when nothing is due.
@@ -228,21 +228,21 @@ def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
 
 
 def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
-    """Call the tool for a row claimed under ``row["attempt"]`` and record the outcome under it.
+    """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record the outcome under it.
 
     A valid response is acknowledged, even if the child exits non-zero afterwards
     (§4).  Without one, an idempotent row stays in flight until its lease ends, and an
     external row becomes unknown, never retried automatically (§6).  An external call
-    is sent only while the row is still in flight under that attempt, its tool's pid
-    recorded first; an idempotent call is sent anyway, since the receipt makes a late
-    call harmless (the attempt number guards only the acknowledgement, §5).
+    is sent at most once per attempt, only while the row is still in flight under it,
+    its tool's pid recorded first; an idempotent call is sent anyway, since the receipt
+    makes a late call harmless (the attempt number guards only the acknowledgement, §5).
     """
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
 
-    def record_tool(pid):  # committed before the request leaves, for reconcile()
-        with transaction(connection):
+    def record_tool(pid):  # committed before the request leaves, for reconcile(); a second
+        with transaction(connection):  # delivery of the same attempt finds a tool recorded and sends nothing
             return connection.execute("UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
-                                      " AND state = 'inflight' AND attempts = ?",
+                                      " AND state = 'inflight' AND attempts = ? AND tool_pid IS NULL",
                                       (pid, caller, key, attempt)).rowcount == 1
     _DELIVERING.add((caller, key, attempt))
     try:
@@ -253,7 +253,8 @@ def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
     result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
               "response": None, "acknowledged": False}
     if exit_code == "refused":
-        return dict(result, exit_code=None, refused="not in flight under this attempt: nothing was sent")
+        return dict(result, exit_code=None,
+                    refused="not in flight under this attempt, or already sent under it: nothing was sent")
     crash_point("after_response_before_ack")  # the reply is here, not yet recorded
     if isinstance(response, dict) and response.get("error") in ("conflict", "expired"):
         # The receiver refused for good: a person, or a new key, decides what follows.
@@ -272,7 +273,7 @@ def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
 
 
 def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
-    """Run the row's tool in a child; return (its first reply line as JSON or None, exit code).
+    """第一篇 §4: run the row's tool in a child; return (its first reply line as JSON or None, exit code).
 
     Request and reply cross the pipes as UTF-8 bytes whatever the locale.
     ``start(argv)`` launches ``reliability.py argv...`` with piped stdin and stdout
@@ -315,7 +316,7 @@ def start_child(argv):
 # --- 第一篇 §5: atomic claims with attempt numbers -------------------------------------------
 
 def claim(connection, now):
-    """Atomically take the oldest due row: attempt + 1, leased until ``now + LEASE_TICKS``.
+    """第一篇 §5: atomically take the oldest due row: attempt + 1, leased until ``now + LEASE_TICKS``.
 
     Due: issued at or before ``now``, and pending or in flight with a lease that ended
     at or before ``now``.  Of racing claimers exactly one wins a row.  An expired
@@ -353,7 +354,7 @@ def claim(connection, now):
 
 
 def acknowledge(connection, caller, key, attempt, response):
-    """Record a validated response as done, only for the attempt that still holds the row.
+    """第一篇 §5: record a validated response as done, only for the attempt that still holds the row.
 
     False (nothing changed) when the row is no longer in flight under that attempt
     number; ValueError for a response that does not answer this request.
@@ -370,7 +371,7 @@ def acknowledge(connection, caller, key, attempt, response):
 
 
 def check_response(response, caller, key, digest):
-    """A response answers a request only with its caller, key and digest and a positive int ticket id."""
+    """第一篇 §4: a response answers a request only with its caller, key, digest and a positive int ticket id."""
     if type(response) is not dict or set(response) != {"caller", "key", "digest", "ticket_id"}:
         raise ValueError("response has the wrong structure")
     if (response["caller"], response["key"], response["digest"]) != (caller, key, digest):
@@ -388,7 +389,7 @@ def _block(connection, caller, key, reason):
 # --- 第一篇 §6: a tool that keeps no receipts ------------------------------------------------
 
 def external_create_ticket(connection, caller, key, payload):
-    """The synthetic external tool: a new ticket on every call, no receipt, no idempotency."""
+    """第一篇 §6: the synthetic external tool: a new ticket on every call, no receipt, no idempotency."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     crash_point("before_external_effect")
@@ -491,8 +492,8 @@ def purge(connection, now, window):
     finds no receipt; the mark never moves backwards.
     """
     check_ticks(0, now)
-    if type(window) is not int or window <= 0:
-        raise ValueError("window must be a positive int number of ticks")
+    if type(window) is not int or not 0 < window <= MAX_TICK:
+        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK}, not {window!r}")
     mark = now - window
     if mark < 0:
         raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")

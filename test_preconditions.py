@@ -600,11 +600,20 @@ class Retention(Case):
         self.assertEqual(pre.purge(self.c, 100, 50), {"deleted": 1, "low_water": 50})
         self.assertEqual(self.receipts(), ([("job-2", 60)], 50))
 
+    def test_a_cli_retry_with_the_ops_original_issue_tick_after_purge_is_expired_not_decided_again(self):
+        stale = json.dumps(plan(a=2))
+        self.assertEqual(json.loads(run_child(child("execute", self.db, "job-1", stale, "--now", 1))[1])["status"],
+                         "stale")
+        pre.purge(self.c, 50, 10)
+        code, out, _ = run_child(child("execute", self.db, "job-1", stale, "--now", 50, "--issued-at", 1))
+        self.assertEqual((code, json.loads(out)), (0, {"status": "expired", "low_water": 40}))
+        self.assertEqual(self.figures(), ({"A": (10, 1), "B": (0, 1)}, 0, 0))  # decided once, never again
+
     def test_purge_refuses_a_bad_window_or_a_mark_moving_backwards_and_changes_nothing(self):
         pre.purge(self.c, 100, 50)
         self.x("job-1", issued_at=60, now=60)
-        for now, window, error in ((100, 0, ValueError), (100, -5, ValueError), (100, True, TypeError),
-                                   (100, 2.0, TypeError), (80, 50, ValueError), (-1, 5, ValueError)):
+        for now, window, error in ((100, 0, ValueError), (100, -5, ValueError), (100, True, ValueError),
+                                   (100, 2.0, ValueError), (80, 50, ValueError), (-1, 5, ValueError)):
             with self.subTest(now=now, window=window), self.assertRaises(error):
                 pre.purge(self.c, now, window)
         self.assertEqual(self.receipts(), ([("job-1", 60)], 50))
