@@ -2035,6 +2035,16 @@ class ReadmeTest(unittest.TestCase):
             total = sum(len(group) for group in json.load(handle).values())
         self.assertIn(f"{total}/{total} scenarios match results.json", self.text)
 
+    def test_the_test_counts_it_gives_are_the_files_own(self):
+        for name in ("test_reliability.py", "test_preconditions.py"):
+            if os.path.exists(os.path.join(HERE, name)):
+                with open(os.path.join(HERE, name), encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read())
+                count = sum(isinstance(item, ast.FunctionDef) and item.name.startswith("test")
+                            for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for item in node.body)
+                self.assertIn(f"`{name}` {count} 个测试", self.text)
+                self.assertIn(f"`{name}` " + ("has " if name == "test_reliability.py" else "") + f"{count}", self.text)
+
     def test_the_map_names_only_functions_scenarios_and_tests_that_exist(self):
         with open(run_experiment.RESULTS, encoding="utf-8") as handle:
             scenarios = {name for group in json.load(handle).values() for name in group}
