@@ -844,6 +844,14 @@ class TheSourceItself(unittest.TestCase):
             finally:
                 c.close()
 
+    def test_the_readme_gives_the_kits_line_count(self):
+        found = definitions(MODULE)
+        lines = sum(len(found[name][1].splitlines()) for name in KIT)
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            row = [line for line in handle if line.startswith("| `preconditions.execute` |")]
+        self.assertEqual(len(row), 1)
+        self.assertEqual(row[0].rstrip().rstrip("|").rsplit("|", 1)[1].strip(), str(lines))
+
     def test_the_kit_list_is_exactly_what_execute_needs(self):
         found = definitions(MODULE)
         needed, todo = set(), ["execute"]
