@@ -797,7 +797,7 @@ def unsafe_delete_receipts(connection, before_tick):
 
 def unsafe_retry_unknown(connection, root, caller, key, *, start=None, timeout=CHILD_TIMEOUT):
     """UNSAFE (第一篇 §6): calls the external tool again for an unknown row, ignoring the policy."""
-    return call_tool(root, _claimed_row(connection, caller, key, 0, 0), start=start, timeout=timeout)
+    return call_tool(root, _claimed_row(connection, caller, key, 0, None), start=start, timeout=timeout)
 
 
 # --- crash boundaries (第一篇 §4) ----------------------------------------------------------------
@@ -943,8 +943,10 @@ def _claimed_row(connection, caller, key, attempt, now):
     if row is None:
         raise ValueError(f"no request {caller!r}/{key!r}")
     mode, digest, text, issued_at = row
+    now = issued_at if now is None else now
+    check_ticks(issued_at, now)  # a tick before the intent was issued fails here, not in the tool child
     return {"caller": caller, "key": key, "attempt": attempt, "mode": mode, "digest": digest,
-            "payload": json.loads(text), "issued_at": issued_at, "now": max(now, issued_at)}
+            "payload": json.loads(text), "issued_at": issued_at, "now": now}
 
 
 if __name__ == "__main__":

@@ -128,6 +128,19 @@ def definitions(path):
     return found
 
 
+
+def _connect_as_nobody(path):
+    """In a forked child: become nobody if we are root (root passes every permission check), then connect."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    try:
+        pre.connect(path).close()
+        return "ok"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
 TEMPLATE = {}  # an A = 10, B = 0 database made once by init(), byte-copied per test
 
 
@@ -678,30 +691,11 @@ class FilesAndSchema(Case):
 
     def connect_as_nobody(self, path):
         """pre.connect(path) in a forked child, as nobody (uid/gid 65534) if we are root: 'ok' or 'Type: message'."""
-        reader, writer = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: reports over the pipe and never returns into unittest
-            code = 1
-            try:
-                os.close(reader)
-                if os.geteuid() == 0:  # root passes every permission check: become nobody first
-                    os.setgroups([])
-                    os.setgid(65534)
-                    os.setuid(65534)
-                try:
-                    pre.connect(path).close()
-                    text = "ok"
-                except Exception as error:
-                    text = f"{type(error).__name__}: {error}"
-                os.write(writer, text.encode("utf-8"))
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(writer)
-        with os.fdopen(reader, "rb") as pipe:
-            text = pipe.read().decode("utf-8")
+        pid, reader = run_experiment.fork_json(_connect_as_nobody, path)
+        with os.fdopen(reader, encoding="utf-8") as pipe:
+            text = pipe.read()
         self.assertEqual(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), 0)
-        return text
+        return json.loads(text)
 
     def test_unreadable_read_only_file_or_read_only_directory_is_a_permission_error_naming_it(self):
         folder = os.path.join(self.dir, "shared")

@@ -1463,30 +1463,23 @@ class SchemaVersionTest(Case):
 
 def connect_error_as_another_user(path):
     """The text of what connect(path) raises in a forked child that is not root (uid/gid 65534 if we are)."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # never returns into the test runner
-        code = 1
-        try:
-            os.close(reader)
-            if os.geteuid() == 0:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-            try:
-                reliability.connect(path).close()
-                text = "opened"
-            except Exception as error:
-                text = f"{type(error).__name__}: {error}"
-            os.write(writer, text.encode("utf-8"))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as pipe:
-        text = pipe.read().decode("utf-8")
+    pid, reader = run_experiment.fork_json(_connect_as_nobody, path)
+    with os.fdopen(reader, encoding="utf-8") as pipe:
+        text = pipe.read()
     os.waitpid(pid, 0)
-    return text
+    return json.loads(text) if text else "the child reported nothing"
+
+
+def _connect_as_nobody(path):
+    if os.geteuid() == 0:  # root passes every permission check: become nobody first
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    try:
+        reliability.connect(path).close()
+        return "opened"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
 
 
 @unittest.skipUnless(hasattr(os, "fork") and hasattr(os, "geteuid"), "drops privileges in a forked child")
