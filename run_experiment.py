@@ -144,12 +144,26 @@ class ForkedChild:
         return self.returncode
 
 
-def fork_start(module, argv, keep=()):
+def fork_start(module, argv, keep=(), stderr=None):
     """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
 
     Call it only while this process holds no SQLite connection to a file the child
     opens: SQLite's per-process lock bookkeeping must not be copied into a child.
+    Where /proc/self/fd exists that rule is checked: a database named in ``argv``, its
+    -wal and -shm, or any file in a directory named there, must not be held open here.
+    ``stderr``, a descriptor, becomes the child's stderr; it exits as ``python3
+    module.py argv...`` would (SystemExit's code; a traceback and 1 on an exception).
     """
+    held = set()
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
+            held.add(os.readlink(os.path.join("/proc/self/fd", fd)))
+    for path in map(os.path.realpath, filter(os.path.exists, argv)):
+        clash = sorted(name for name in held if name in (path, path + "-wal", path + "-shm")
+                       or os.path.dirname(name) == path)  # a file, or a file in a directory
+        if clash:
+            raise RuntimeError(f"fork_start: this process holds {clash[0]} open, and the child opens it;"
+                               " close that connection before forking")
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
     sys.stdout.flush()
@@ -160,6 +174,8 @@ def fork_start(module, argv, keep=()):
         try:
             os.dup2(stdin_r, 0)
             os.dup2(stdout_w, 1)
+            if stderr is not None:
+                os.dup2(stderr, 2)
             # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
             # children (their EOF would wait for this one), nor a writer queue a dead parent held.
             low = 3
@@ -173,8 +189,14 @@ def fork_start(module, argv, keep=()):
             sys.stdin = open(0, encoding="utf-8", closefd=False)
             sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
             random.seed()  # siblings must not share the parent's back-off sequence
-            code = module.main(list(argv))
+            try:
+                code = module.main(list(argv))
+            except SystemExit as exit:  # argparse's usage error: its code, as the interpreter reports it
+                code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+            except BaseException:
+                traceback.print_exc()  # os._exit below would swallow it
             sys.stdout.flush()
+            sys.stderr.flush()
         finally:
             os._exit(code)
     os.close(stdin_r)

@@ -78,7 +78,7 @@ def child(*args):
 
 
 def run_child(argv, stdin=b"", **options):
-    """(exit code, stdout, stderr): the child's bytes decoded as UTF-8, the child always reaped."""
+    """(exit code, stdout, stderr) of a fresh process: its bytes decoded as UTF-8, the child always reaped."""
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           **options) as proc:
         try:
@@ -90,22 +90,25 @@ def run_child(argv, stdin=b"", **options):
     return proc.returncode, out.decode("utf-8"), err.decode("utf-8")
 
 
-def paused_child(argv, between):
-    """READY/GO: start the child, wait for READY, run ``between()``, write GO; (ready, code, stdout, stderr)."""
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        watchdog = threading.Timer(WATCHDOG, proc.kill)  # only unblocks a hung readline
-        watchdog.start()
+def cli(*args, between=None):
+    """preconditions.py's command line, main(argv), in a forked child as the driver's children run;
+    (exit code, stdout, stderr) as UTF-8.  With ``between``, for a --wait child: at its READY
+    line (it has read what it checks) run between(), then write GO."""
+    with tempfile.TemporaryFile() as stderr:
+        proc = run_experiment.fork_start(pre, [str(arg) for arg in args], stderr=stderr.fileno())
         try:
-            ready = proc.stdout.readline().decode("utf-8")
-            between()
-            out, err = proc.communicate(b"GO\n", timeout=WATCHDOG)
+            if between is not None:
+                ready = proc.readline()
+                if ready != "READY":
+                    raise AssertionError(f"the child said {ready!r}, not READY")
+                between()
+            out, _ = proc.communicate(b"GO\n" if between else None, timeout=WATCHDOG)
         finally:
-            watchdog.cancel()
-            watchdog.join()
-            if proc.returncode is None:
+            if proc.returncode is None:  # a failed assertion must not leave it running
                 proc.kill()
                 proc.communicate()
-    return ready, proc.returncode, out.decode("utf-8"), err.decode("utf-8")
+        stderr.seek(0)
+        return proc.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,14 +166,26 @@ def load_tests(loader, tests, pattern):
 
 
 class Case(unittest.TestCase):
-    """A fresh temporary directory with an A = 10, B = 0 database made by init(), and a connection to it."""
+    """A fresh temporary directory with an A = 10, B = 0 database made by init(), and self.c, a
+    connection to it opened on first use; self.release() closes it before a child opens the file."""
 
     def setUp(self):
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.dir = tmp.name
         self.db = self.make_db()
-        self.c = self.open()
+        self._c = None
+
+    @property
+    def c(self):
+        if self._c is None:
+            self._c = self.open()
+        return self._c
+
+    def release(self):
+        if self._c is not None:
+            self._c.close()
+            self._c = None
 
     def make_db(self, resources=None, name="t.db"):
         path = os.path.join(self.dir, name)
@@ -301,9 +316,9 @@ class SameTransaction(Case):
         for name, args in (("unsafe", ("unsafe-check-then-act",)), ("safe", ("execute",))):
             db = self.make_db(name=name + ".db")
             extra = () if name == "unsafe" else ("--now", 0, "--wait")
-            ready, code, out, err = paused_child(child(*args, db, "job-1", json.dumps(plan()), *extra),
-                                                 lambda db=db: self.change("other-1", "B", 2, c=self.open(db)))
-            self.assertEqual((ready, code, err), ("READY\n", 0, ""))
+            code, out, err = cli(*args, db, "job-1", json.dumps(plan()), *extra,
+                                 between=lambda db=db: self.change("other-1", "B", 2, c=self.open(db)))
+            self.assertEqual((code, err), (0, ""))
             outcomes[name] = (json.loads(out)["status"], self.figures(db))
         self.assertEqual(outcomes["unsafe"], ("applied", ({"A": (7, 2), "B": (5, 3)}, 1, 2)))  # A = 7, B = 5
         self.assertEqual(outcomes["safe"], ("stale", ({"A": (10, 1), "B": (2, 2)}, 0, 2)))  # A = 10, B = 2
@@ -442,21 +457,22 @@ class CrashesAndRaces(Case):
         for boundary, code in pre.EXIT_CODES.items():
             with self.subTest(boundary):
                 db = self.make_db(name=boundary + ".db")
-                self.assertEqual(run_child(child("execute", db, "job-1", command, "--now", 0, "--crash", boundary)),
+                self.assertEqual(cli("execute", db, "job-1", command, "--now", 0, "--crash", boundary),
                                  (code, "", ""))  # died before printing anything
                 committed = boundary == "after_commit"
                 self.assertEqual(self.figures(db), AFTER_APPLIED if committed else START)
-                retry_code, out, _ = run_child(child("execute", db, "job-1", command, "--now", 0))
+                retry_code, out, _ = cli("execute", db, "job-1", command, "--now", 0)
                 expected = {"status": "replayed", "result": APPLIED} if committed else APPLIED
                 self.assertEqual((retry_code, json.loads(out)), (0, expected))
                 self.assertEqual(self.figures(db), AFTER_APPLIED)
 
     def test_a_stale_rejection_committed_before_the_exit_is_replayed(self):
         self.change("other-1", "B", 2)
+        self.release()  # the child opens the file
         command = json.dumps(plan())
-        self.assertEqual(run_child(child("execute", self.db, "job-1", command, "--now", 0, "--crash", "after_commit"))[0],
+        self.assertEqual(cli("execute", self.db, "job-1", command, "--now", 0, "--crash", "after_commit")[0],
                          73)
-        code, out, _ = run_child(child("execute", self.db, "job-1", command, "--now", 0))
+        code, out, _ = cli("execute", self.db, "job-1", command, "--now", 0)
         self.assertEqual((code, json.loads(out)),
                          (0, {"status": "replayed", "result": {"status": "stale", "observed": {"A": 1, "B": 2}}}))
         self.assertEqual(self.figures(), ({"A": (10, 1), "B": (2, 2)}, 0, 2))
@@ -473,8 +489,8 @@ class CrashesAndRaces(Case):
             function = getattr(pre, name)
             with self.subTest(name):
                 self.assertFalse({"fault", "crash"} & set(inspect.signature(function).parameters))
-        self.assertEqual(run_child(child("execute", self.db, "job-1", json.dumps(plan()), "--now", 0, "--crash",
-                                         "after_everything"))[0], 2)
+        self.assertEqual(cli("execute", self.db, "job-1", json.dumps(plan()), "--now", 0, "--crash",
+                             "after_everything")[0], 2)
         self.assertEqual(self.figures(), START)
 
     def test_a_trigger_aborting_the_destination_update_or_the_receipt_leaves_nothing_half_applied(self):
@@ -488,29 +504,30 @@ class CrashesAndRaces(Case):
                 self.sql("DROP TRIGGER fault")
         self.assertEqual(self.x("job-1"), APPLIED)
 
-    def race(self, entry, ops, path=None):
-        """One thread per op, each with its own connection, released together by a barrier; outcomes."""
-        barrier = threading.Barrier(len(ops))
+    def race(self, entry, ops, path=None, threads=8):
+        """``threads`` threads (the article's 8), each with its own connection, released together by
+        a barrier, submit ``ops`` between them; the outcomes, counted."""
+        barrier = threading.Barrier(threads)
         outcomes, lock = [], threading.Lock()
 
-        def racer(op):
+        def racer(share):
             try:
                 connection = pre.connect(path or self.db)
                 try:
                     barrier.wait(timeout=WATCHDOG)
-                    outcome = entry(connection, op)["status"]
+                    found = [entry(connection, op)["status"] for op in share]
                 finally:
                     connection.close()
             except BaseException as error:  # reported below, not lost in the thread
                 barrier.abort()
-                outcome = f"{type(error).__name__}: {error}"
+                found = [f"{type(error).__name__}: {error}"]
             with lock:
-                outcomes.append(outcome)
+                outcomes.extend(found)
 
-        threads = [threading.Thread(target=racer, args=(op,)) for op in ops]
-        for thread in threads:
+        started = [threading.Thread(target=racer, args=(ops[k::threads],)) for k in range(threads)]
+        for thread in started:
             thread.start()
-        for thread in threads:
+        for thread in started:
             thread.join()
         return collections.Counter(outcomes)
 
@@ -527,15 +544,14 @@ class CrashesAndRaces(Case):
 
     def test_the_barrier_catches_a_non_atomic_check_then_write_every_time(self):
         db = self.make_db({"A": 100, "B": 0}, "unsafe.db")  # room for every transfer: only the race decides
-        in_between = threading.Barrier(16)  # all 16 have checked before any writes
+        in_between = threading.Barrier(4)  # all four have checked before any of them writes
 
         def unsafe(connection, op):
             return pre.unsafe_check_then_act(connection, op, plan(), pause=lambda: in_between.wait(timeout=WATCHDOG))
 
-        outcomes = self.race(unsafe, [f"job-{k}" for k in range(16)], db)
-        self.assertEqual(set(outcomes), {"applied"})
-        self.assertGreater(outcomes["applied"], 1)
-        self.assertEqual(self.figures(db)[1], outcomes["applied"])
+        outcomes = self.race(unsafe, [f"job-{k}" for k in range(4)], db, threads=4)
+        self.assertEqual(outcomes, {"applied": 4})  # four transfers built on one snapshot's revisions
+        self.assertEqual(self.figures(db)[1], 4)
 
 
 class UndeclaredDependency(Case):
@@ -564,7 +580,7 @@ class ChangeExactlyOnce(Case):
         self.assertEqual(self.figures(), ({"A": (15, 2), "B": (0, 1)}, 0, 1))
 
     def test_a_change_redone_by_a_new_process_after_the_first_ended_changes_a_once(self):
-        outputs = [run_child(child("change", self.db, "op-1", "A", 5, "--now", 0)) for _ in range(2)]
+        outputs = [cli("change", self.db, "op-1", "A", 5, "--now", 0) for _ in range(2)]
         changed = {"status": "changed", "name": "A", "quantity": 15, "revision": 2}
         self.assertEqual([(code, json.loads(out), err) for code, out, err in outputs],
                          [(0, changed, ""), (0, {"status": "replayed", "result": changed}, "")])
@@ -615,10 +631,11 @@ class Retention(Case):
 
     def test_a_cli_retry_with_the_ops_original_issue_tick_after_purge_is_expired_not_decided_again(self):
         stale = json.dumps(plan(a=2))
-        self.assertEqual(json.loads(run_child(child("execute", self.db, "job-1", stale, "--now", 1))[1])["status"],
+        self.assertEqual(json.loads(cli("execute", self.db, "job-1", stale, "--now", 1)[1])["status"],
                          "stale")
         pre.purge(self.c, 50, 10)
-        code, out, _ = run_child(child("execute", self.db, "job-1", stale, "--now", 50, "--issued-at", 1))
+        self.release()  # the child opens the file
+        code, out, _ = cli("execute", self.db, "job-1", stale, "--now", 50, "--issued-at", 1)
         self.assertEqual((code, json.loads(out)), (0, {"status": "expired", "low_water": 40}))
         self.assertEqual(self.figures(), ({"A": (10, 1), "B": (0, 1)}, 0, 0))  # decided once, never again
 
@@ -788,14 +805,14 @@ class CommandLine(Case):
         usage = [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"), ("bogus",)]
         for argv in usage:
             with self.subTest(argv=argv):
-                self.assertEqual(run_child(child(*argv))[0], 2)
+                self.assertEqual(cli(*argv)[0], 2)
         refused = [("execute", db, "job-1", json.dumps(plan(src="名额A", amount=True)), "--now", 0),
                    ("execute", db, "job-1", '{"src": "A", "src": "B"}', "--now", 0),
                    ("execute", db, "job-1", json.dumps(plan()), "--now", -1),
                    ("snapshot", os.path.join(self.dir, "missing.db")), ("init", db, "A=1")]
         for argv in refused:
             with self.subTest(argv=argv):
-                code, out, err = run_child(child(*argv), env=env)
+                code, out, err = cli(*argv)
                 self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
                 self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: "), err)
         code, out, _ = run_child(child("execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0), env=env)

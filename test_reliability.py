@@ -71,7 +71,7 @@ def load_tests(loader, tests, pattern):
 @contextlib.contextmanager
 def workspace():
     """A fresh root with the three databases; ws.sender, ws.receiver and ws.external are
-    connections opened on first use (never before a test forks) and closed on exit."""
+    connections opened on first use and closed on exit; ws.close() before a child opens their files."""
     with tempfile.TemporaryDirectory() as root, contextlib.ExitStack() as stack:
         for name in KINDS:
             shutil.copyfile(os.path.join(TEMPLATE["dir"].name, name), os.path.join(root, name))
@@ -83,6 +83,12 @@ class Workspace:
 
     def __init__(self, root, stack):
         self.root, self._stack = root, stack
+
+    def close(self, *names):
+        """Close these connections (default: all) before forking a child that opens their files."""
+        for name in names or self.FILES:
+            if name in vars(self):
+                vars(self).pop(name).close()
 
     def path(self, name):
         return os.path.join(self.root, self.FILES.get(name, name))
@@ -177,12 +183,17 @@ def write_file(path, data):
         handle.write(data)
 
 
-def launcher(crash=None, env=None, started=None, popen=subprocess.Popen):
-    """A start= hook for call_tool: the tool child `python3 -I -S reliability.py serve ...` with
-    binary pipes, dying at ``crash`` through its own CLI; each child is appended to ``started``."""
+def launcher(crash=None, started=None, env=None):
+    """A start= hook for call_tool: a tool child running reliability.py's own CLI ``serve ...``,
+    dying at ``crash``; each child is appended to ``started``.  It is forked, as the driver's
+    children are (run_experiment.fork_start), or with ``env`` a fresh interpreter in that environment."""
     def start(argv):
-        child = popen([sys.executable, "-I", "-S", SCRIPT, *argv, *(["--crash", crash] if crash else [])],
-                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        argv = [*argv, *(["--crash", crash] if crash else [])]
+        if env is None:
+            child = run_experiment.fork_start(reliability, argv)
+        else:
+            child = subprocess.Popen([sys.executable, "-I", "-S", SCRIPT, *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         if started is not None:
             started.append(child)
         return child
@@ -190,16 +201,19 @@ def launcher(crash=None, env=None, started=None, popen=subprocess.Popen):
 
 
 def cli(*argv, stdin=b""):
-    """reliability.py's command line in a real child; (exit code, stdout, stderr), both decoded as UTF-8."""
-    done = subprocess.run([sys.executable, "-I", "-S", SCRIPT, *map(str, argv)], input=stdin,
-                          capture_output=True, timeout=WATCHDOG)
-    return done.returncode, done.stdout.decode("utf-8"), done.stderr.decode("utf-8")
+    """reliability.py's command line, main(argv), in a forked child; (exit code, stdout, stderr) as UTF-8."""
+    with tempfile.TemporaryFile() as stderr:
+        child = run_experiment.fork_start(reliability, [str(arg) for arg in argv], stderr=stderr.fileno())
+        out, _ = child.communicate(stdin, timeout=WATCHDOG)
+        stderr.seek(0)
+        return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
 def unknown_external(ws, key="k1"):
     """A real unknown row: enqueued external at tick 0, claimed at 0 (lease until LEASE_TICKS), its
     tool child exits 73 before acting, so deliver() marks it unknown and clears both pids."""
     enqueue(ws, key, mode="external")
+    ws.close("external")  # its tool child opens it
     result = reliability.dispatch(ws.sender, ws.root, 0, start=launcher("before_external_effect"))
     assert (result["exit_code"], state(ws, key)) == (CRASH_EXIT, ("unknown", 1)), result
     assert pids(ws, key) == (None, None)
@@ -726,12 +740,14 @@ class CrashBoundaryTest(Case):
                 return lambda argv: launcher(crash)(["serve", "unsafe-receive", *argv[2:]])
             first = reliability.dispatch(ws.sender, ws.root, 0, start=naive("after_receiver_commit"))
             self.assertEqual((first["exit_code"], counts(ws)["tickets"]), (CRASH_EXIT, 1))
+            ws.close("receiver")
             reliability.dispatch(ws.sender, ws.root, 11, start=naive())
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 2), 2))
 
     def test_marking_done_before_sending_then_dying_loses_the_task_for_good(self):
         with workspace() as ws:
             enqueue(ws)
+            ws.close()
             code, out, _ = cli("unsafe-dispatch-mark-before", ws.root, "--now", 0, "--crash", "after_mark_before_send")
             self.assertEqual((code, out), (CRASH_EXIT, ""))
             self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 11))
@@ -742,6 +758,7 @@ class CrashBoundaryTest(Case):
                                     ("after_ack", ("done", 1))):
             with self.subTest(boundary), workspace() as ws:
                 enqueue(ws)
+                ws.close()
                 code, _, _ = cli("dispatch", ws.root, "--now", 0, "--crash", boundary)
                 self.assertEqual(code, CRASH_EXIT)
                 reliability.dispatch(ws.sender, ws.root, 11)
@@ -1003,13 +1020,13 @@ class RecordedAttemptTest(Case):
             row = reliability.claim(ws.sender, 0)
             seen, started = [], []
 
-            class Observed(subprocess.Popen):  # a real child; we look at the database as its request leaves
-                def communicate(self, input=None, timeout=None):
-                    if input is not None:
-                        seen.append(pids(ws))
-                    return super().communicate(input, timeout)
-            result = reliability.deliver(ws.sender, ws.root, row,
-                                         start=launcher("before_external_effect", started=started, popen=Observed))
+            def observed(argv):  # a real child; we look at the database as its request leaves
+                child = launcher("before_external_effect", started=started)(argv)
+                send = child.communicate
+                child.communicate = lambda input=None, timeout=None: (
+                    seen.append(pids(ws)) if input is not None else None, send(input, timeout))[1]
+                return child
+            result = reliability.deliver(ws.sender, ws.root, row, start=observed)
             self.assertEqual(result["exit_code"], CRASH_EXIT)
             self.assertEqual(seen, [(os.getpid(), started[0].pid)])
             self.assertEqual((state(ws), pids(ws)), (("unknown", 1), (None, None)))
@@ -1300,6 +1317,7 @@ class ResolveTest(Case):
             for key, tick in (("old", 10), ("new", 60)):
                 receive(ws, key, now=tick)
             unknown_external(ws)
+            ws.close()
             self.assertEqual(cli("purge", ws.root, "--now", 100, "--window", 50),
                              (0, '{"deleted":1,"low_water":50}\n', ""))
             self.assertEqual(cli("resolve", ws.root, "agent", "k1", "abandon", "--by", "x", "--why", "y"),
