@@ -794,14 +794,20 @@ class CommandLine(Case):
     """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2."""
 
     def test_exit_codes_and_utf8_output_whatever_the_locale(self):
-        env = dict(os.environ, LC_ALL="C", LANG="C")
+        # An ASCII locale: LC_ALL=C with Python's UTF-8 mode off (by default C means UTF-8 and proves nothing).
+        legacy = dict(os.environ, LC_ALL="C", LANG="C")
+
+        def in_legacy(*args):  # a fresh interpreter, as --exec starts it, with UTF-8 mode off
+            return [sys.executable, "-I", "-S", "-X", "utf8=0", *map(str, args)]
+        probe = in_legacy("-c", "import sys; print(sys.stdout.encoding)")
+        self.assertEqual(run_child(probe, env=legacy), (0, "ascii\n", ""))  # really not UTF-8
         db = os.path.join(self.dir, "cli.db")
-        code, out, err = run_child(child("init", db, "名额A=10", "B=0"), env=env)
+        code, out, err = cli("init", db, "名额A=10", "B=0")
         self.assertEqual((code, err), (0, ""))
         self.assertEqual(json.loads(out), {"resources": {"B": {"quantity": 0, "revision": 1},
                                                          "名额A": {"quantity": 10, "revision": 1}},
                                            "effects": 0, "receipts": 0})
-        self.assertEqual(run_child(child("snapshot", db), env=env), (0, out, ""))
+        self.assertEqual(run_child(in_legacy(MODULE, "snapshot", db), env=legacy), (0, out, ""))  # UTF-8 bytes all the same
         usage = [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"), ("bogus",)]
         for argv in usage:
             with self.subTest(argv=argv):
@@ -815,11 +821,12 @@ class CommandLine(Case):
                 code, out, err = cli(*argv)
                 self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
                 self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: "), err)
-        code, out, _ = run_child(child("execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0), env=env)
+        # json.dumps escapes 名额A, so the argument is ASCII; the answer names it in UTF-8.
+        code, out, _ = run_child(in_legacy(MODULE, "execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0),
+                                 env=legacy)
         self.assertEqual((code, out), (0, '{"quantities":{"B":3,"名额A":7},"revisions":{"B":2,"名额A":2},'
                                           '"status":"applied"}\n'))
-        code, out, _ = run_child(child("snapshot", db), env=env)
-        self.assertEqual(json.loads(out)["receipts"], 1)
+        self.assertEqual(json.loads(cli("snapshot", db)[1])["receipts"], 1)
 
 
 class TheSourceItself(unittest.TestCase):
