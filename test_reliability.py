@@ -723,7 +723,8 @@ class CrashBoundaryTest(Case):
             result = reliability.dispatch(ws.sender, ws.root, 0, start=launcher("before_receiver_commit"))
             self.assertEqual((result["exit_code"], result["response"]), (CRASH_EXIT, None))
             self.assertEqual((state(ws), counts(ws)["tickets"], counts(ws)["receipts"]), (("inflight", 1), 0, 0))
-            self.assertEqual(reliability.dispatch(ws.sender, ws.root, 11)["acknowledged"], True)
+            ws.close("receiver")
+            self.assertEqual(reliability.dispatch(ws.sender, ws.root, 11, start=launcher())["acknowledged"], True)
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 2), 1))
 
     def test_a_reply_lost_after_the_receivers_commit_is_replayed_with_the_same_ticket(self):
@@ -731,7 +732,8 @@ class CrashBoundaryTest(Case):
             enqueue(ws)
             result = reliability.dispatch(ws.sender, ws.root, 0, start=launcher("after_receiver_commit"))
             self.assertEqual((result["exit_code"], state(ws), counts(ws)["tickets"]), (CRASH_EXIT, ("inflight", 1), 1))
-            recovery = reliability.dispatch(ws.sender, ws.root, 11)
+            ws.close("receiver")
+            recovery = reliability.dispatch(ws.sender, ws.root, 11, start=launcher())
             self.assertEqual((recovery["attempt"], recovery["response"]["ticket_id"]), (2, 1))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 2), 1))
 
@@ -764,7 +766,7 @@ class CrashBoundaryTest(Case):
                 ws.close()
                 code, _, _ = cli("dispatch", ws.root, "--now", 0, "--crash", boundary)
                 self.assertEqual(code, CRASH_EXIT)
-                reliability.dispatch(ws.sender, ws.root, 11)
+                reliability.dispatch(ws.sender, ws.root, 11, start=launcher())
                 self.assertEqual((state(ws), counts(ws)["tickets"], counts(ws)["receipts"]), (recovered, 1, 1))
 
     def test_a_tool_child_given_a_malformed_request_line_fails_with_one_line_and_stores_nothing(self):
@@ -875,6 +877,7 @@ class ClaimTest(Case):
             self.assertEqual(state(ws), ("inflight", 1))
             self.assertEqual(reliability.claim(ws.sender, 10)["attempt"], 2)
         with workspace() as ws:  # the article's recovery: a sender that died after its claim at tick 0
+            # Its tool child is started as in production, by start_child: `python3 -I -S reliability.py serve ...`.
             enqueue(ws)
             reliability.claim(ws.sender, 0)
             self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 9))
@@ -925,7 +928,8 @@ class ClaimTest(Case):
             original = receive(ws, payload=OTHER_PAYLOAD)
             receipts = rows(ws.receiver, "receipts")
             enqueue(ws)
-            result = reliability.dispatch(ws.sender, ws.root, 0)
+            ws.close("receiver")
+            result = reliability.dispatch(ws.sender, ws.root, 0, start=launcher())
             self.assertEqual((result["exit_code"], result["acknowledged"], result["response"]["error"]),
                              (0, False, "conflict"))
             self.assertEqual(state(ws), ("blocked", 1))
@@ -983,7 +987,7 @@ class UnknownTest(Case):
         with workspace() as ws:
             enqueue(ws, mode="external")
             reliability.dispatch(ws.sender, ws.root, 0, start=launcher("after_external_effect"))
-            answer, code = reliability.unsafe_retry_unknown(ws.sender, ws.root, "agent", "k1")
+            answer, code = reliability.unsafe_retry_unknown(ws.sender, ws.root, "agent", "k1", start=launcher())
             self.assertEqual((code, answer["ticket_id"]), (0, 2))
             self.assertEqual((state(ws), counts(ws)["external"]), (("unknown", 1), 2))
 
@@ -1111,7 +1115,8 @@ class ReconcileTest(Case):
             self.assertEqual(sender_rows(ws), before)
             self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 10)["status"], "pending")
             self.assertEqual((state(ws), pids(ws), audit(ws)), (("pending", 1), (None, None), []))
-            retry = reliability.dispatch(ws.sender, ws.root, 11)
+            ws.close("external")
+            retry = reliability.dispatch(ws.sender, ws.root, 11, start=launcher())
             self.assertEqual((retry["attempt"], retry["acknowledged"]), (2, True))
             self.assertEqual((state(ws), counts(ws)["external"]), (("done", 2), 1))
 
@@ -1239,7 +1244,7 @@ class ResolveTest(Case):
             self.assertIsNone(reliability.claim(ws.sender, MAX_ATTEMPTS * LEASE_TICKS))
             self.assertEqual(state(ws), ("blocked", MAX_ATTEMPTS))
             reliability.resolve(ws.sender, "agent", "k1", "retry", by="bob", why="the receiver is back")
-            result = reliability.dispatch(ws.sender, ws.root, MAX_ATTEMPTS * LEASE_TICKS)
+            result = reliability.dispatch(ws.sender, ws.root, MAX_ATTEMPTS * LEASE_TICKS, start=launcher())
             self.assertEqual((result["attempt"], result["acknowledged"]), (MAX_ATTEMPTS + 1, True))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", MAX_ATTEMPTS + 1), 1))
 
@@ -1389,7 +1394,8 @@ class RetentionTest(Case):
         with workspace() as ws:
             enqueue(ws)
             reliability.purge(ws.receiver, 100, 50)
-            result = reliability.dispatch(ws.sender, ws.root, 100)
+            ws.close("receiver")
+            result = reliability.dispatch(ws.sender, ws.root, 100, start=launcher())
             self.assertEqual((result["exit_code"], result["acknowledged"]), (0, False))
             row = outbox(ws)
             self.assertEqual((row["state"], row["attempts"], set(row["response"]), row["response"]["error"]),
@@ -1985,23 +1991,21 @@ class DriverTest(unittest.TestCase):
             for name in five:
                 shutil.copyfile(os.path.join(HERE, name), os.path.join(directory, name))
             # The article's command, on one scenario of each group: the same imports, registration and
-            # comparison as the whole run (which the README's --check already does), at a fraction of the time.
+            # comparison as the whole run (which the README's --check already does), at a fraction of the time;
+            # meanwhile another process imports the tests and counts what the driver registered.
             only = ["--only", "idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
-            done = subprocess.run([sys.executable, "run_experiment.py", "--check", "results.json", "--output",
-                                   "reproduced.json", *only], cwd=directory, env=env, capture_output=True,
-                                  timeout=WATCHDOG)
-            self.assertEqual(done.returncode, 0, done.stdout.decode("utf-8") + done.stderr.decode("utf-8"))
-            self.assertIn(b"4/4 scenarios match results.json", done.stdout)  # + after_claim, a matrix cell
+            commands = [["run_experiment.py", "--check", "results.json", "--output", "reproduced.json", *only],
+                        ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
+                               " 'preconditions' in sys.modules)"]]
+            children = [subprocess.Popen([sys.executable, *command], cwd=directory, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE) for command in commands]
+            (check, _), (imported, err) = [child.communicate(timeout=WATCHDOG) for child in children]
+            self.assertEqual(children[0].returncode, 0, check.decode("utf-8"))
+            self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
-            listed = subprocess.run([sys.executable, "run_experiment.py", "--list"], cwd=directory, env=env,
-                                    capture_output=True, timeout=WATCHDOG).stdout.decode("utf-8")
-            self.assertEqual(len(listed.splitlines()), 32)  # 16 + 5 + 11 matrix rows: nothing of article 7
-            done = subprocess.run([sys.executable, "-c", "import test_reliability"], cwd=directory, env=env,
-                                  capture_output=True, timeout=WATCHDOG)
-            self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8"))
+            self.assertEqual((children[1].returncode, imported, err), (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
             self.assertEqual(sorted(os.listdir(directory)), sorted(five + ("reproduced.json",)))
-
 
 
 @functools.lru_cache(maxsize=None)
