@@ -394,23 +394,6 @@ def collect(pending):
         shutil.rmtree(pending["base"], ignore_errors=True)
 
 
-_SHARED = {}
-
-
-def start_shared():
-    """Start every scenario in the background, once per process, for the test modules."""
-    if not _SHARED:
-        _SHARED["pending"] = start_all(list(SCENARIOS))
-
-
-def shared_runs():
-    """Every scenario, run once per process: the two test modules read the same run."""
-    if "runs" not in _SHARED:
-        start_shared()
-        _SHARED["runs"] = {run.name: run for run in collect(_SHARED.pop("pending"))}
-    return _SHARED["runs"]
-
-
 def fork_json(function, *args):
     """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
     reader, writer = os.pipe()

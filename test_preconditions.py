@@ -1,8 +1,10 @@
 """Tests for preconditions.py (第七篇《没有重复执行，为什么还是办错了？》): real SQLite files, real processes.
 
 Grouped by the article's sections, in its order, then what goes beyond article 7, then the
-tests that read the shared experiment run (they go last, so it runs meanwhile).  Run:
-python3 test_preconditions.py, or python3 -X dev -W error -m unittest test_preconditions.
+driver's: results.json's figures (run_experiment.py --check proves the live run equals it)
+and the five files alone.  Children are forked as the driver forks them, or fresh
+interpreters where the command line itself is under test.  Run: python3 test_preconditions.py,
+or python3 -X dev -W error -m unittest test_preconditions.
 Standard library only; reliability.py is never imported (article 7's download lacks it).
 """
 import os
@@ -148,21 +150,13 @@ TEMPLATE = {}  # an A = 10, B = 0 database made once by init(), byte-copied per 
 
 
 def setUpModule():
-    run_experiment.start_shared()  # the experiment runs in its own processes while the unit tests run
     TEMPLATE["dir"] = tempfile.TemporaryDirectory()
     TEMPLATE["path"] = os.path.join(TEMPLATE["dir"].name, "template.db")
     pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
 
 
 def tearDownModule():
-    run_experiment.shared_runs()  # waits for it and reaps it, even if no test asked
     TEMPLATE.pop("dir").cleanup()
-
-
-def load_tests(loader, tests, pattern):
-    """The tests that read the shared experiment run go last, so it runs while the others do."""
-    late = (DriverScenarios, DriverCrashMatrix)
-    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, late) for test in suite)))
 
 
 class Case(unittest.TestCase):
@@ -908,8 +902,7 @@ class TheSourceItself(unittest.TestCase):
         self.assertEqual(set(pre.__all__), set(re.findall(r"`([^`]+)`", lines[0].split(":", 1)[1])))
 
 
-# === driver tests (they read the shared experiment run) ===
-# run_experiment.start_shared() started every scenario in setUpModule; these read that one run.
+# === driver tests: results.json as committed (--check reruns every scenario against it), and the driver ===
 
 ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items() if article == "article_7"]
 MATRIX = [name for name in run_experiment.SCENARIOS if name.startswith("preconditions/")]
@@ -921,7 +914,8 @@ def committed_results():
 
 
 class DriverScenarios(unittest.TestCase):
-    """第七篇's 11 scenario groups as run_experiment.py runs them, against the committed results.json."""
+    """第七篇's 11 scenario groups as results.json records them; ``run_experiment.py --check`` reruns
+    every scenario and fails unless the run equals it, so these figures are the live ones."""
 
     def test_the_driver_names_exactly_the_articles_11_scenario_groups(self):
         self.assertEqual(ARTICLE_7, [
@@ -929,17 +923,23 @@ class DriverScenarios(unittest.TestCase):
             "crash_points", "stale_rejection_durable", "trigger_faults", "concurrent_distinct_ops",
             "concurrent_same_op", "undeclared_dependency"])
 
-    def test_every_scenario_holds_its_invariants_and_passes_quick_check(self):
-        runs = run_experiment.shared_runs()
-        for name in ARTICLE_7 + MATRIX:
-            with self.subTest(name):
-                self.assertEqual(runs[name].failures, [])
-                self.assertTrue(runs[name].integrity)
-                self.assertEqual(set(runs[name].integrity.values()), {"ok"})
+    def test_results_json_holds_every_scenario_the_driver_registers_and_nothing_else(self):
+        self.assertEqual(set(committed_results()["article_7"]), set(ARTICLE_7))
+        self.assertEqual({name for name in committed_results()["crash_matrix"] if name.startswith("preconditions/")},
+                         set(MATRIX))
 
-    def test_article_7_results_equal_the_committed_results_json(self):
-        observed = run_experiment.results_of(run_experiment.shared_runs()[name] for name in ARTICLE_7)
-        self.assertEqual(run_experiment.differences(committed_results()["article_7"], observed["article_7"]), [])
+    def test_the_articles_figures(self):
+        seven = committed_results()["article_7"]
+        self.assertEqual(seven["unsafe_check_then_act"]["after_go"]["quantities"], {"A": 7, "B": 5})
+        self.assertEqual(seven["safe_stale_rejected"]["after_go"]["quantities"], {"A": 10, "B": 2})
+        for name, statuses in (("concurrent_distinct_ops", {"applied": 1, "stale": 15}),
+                               ("concurrent_same_op", {"applied": 1, "replayed": 15})):
+            self.assertEqual((seven[name]["after_race"]["statuses"], seven[name]["after_race"]["effects"]),
+                             (statuses, 1))
+        self.assertEqual(seven["aba_revision"]["after_execute"]["revisions"]["A"], 3)
+        self.assertEqual(seven["undeclared_dependency"]["after_execute"]["quantities"]["C"], 4)
+        self.assertEqual({key.split(".")[0]: row["exit_code"] for key, row in seven["crash_points"].items()
+                          if key.endswith("after_crash")}, pre.EXIT_CODES)
 
     def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
         with tempfile.TemporaryDirectory() as folder:
@@ -967,23 +967,18 @@ class DriverCrashMatrix(unittest.TestCase):
     """第七篇 §6: every boundary in EXIT_CODES crashed for real by the driver, then retried by a new process."""
 
     def test_every_boundary_has_a_row_that_is_all_or_nothing(self):
-        runs = run_experiment.shared_runs()
+        rows = committed_results()["crash_matrix"]
         self.assertEqual(MATRIX, [f"preconditions/{boundary}" for boundary in pre.EXIT_CODES])
         for boundary, code in pre.EXIT_CODES.items():
-            fresh = runs[f"preconditions/{boundary}"].stages["fresh"]
+            fresh = rows[f"preconditions/{boundary}"]["fresh"]
             committed = boundary == "after_commit"
             with self.subTest(boundary):
                 self.assertEqual(fresh, {"exit_code": code, "effects_after_crash": int(committed),
                                          "retry": "replayed" if committed else "applied", "outcome": "applied",
                                          "effects": 1})
-        self.assertEqual(runs["preconditions/after_commit"].stages["stale"],
+        self.assertEqual(rows["preconditions/after_commit"]["stale"],
                          {"exit_code": 73, "effects_after_crash": 0, "retry": "replayed", "outcome": "stale",
                           "effects": 0})
-
-    def test_the_preconditions_rows_equal_the_committed_results_json(self):
-        committed = {name: row for name, row in committed_results()["crash_matrix"].items() if name in MATRIX}
-        observed = run_experiment.results_of(run_experiment.shared_runs()[name] for name in MATRIX)
-        self.assertEqual(run_experiment.differences(committed, observed["crash_matrix"]), [])
 
 
 if __name__ == "__main__":

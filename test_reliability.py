@@ -2,10 +2,12 @@
 
 Run with ``python3 test_reliability.py`` or ``python3 -X dev -W error -m unittest test_reliability``.
 Every test works on real SQLite files in a fresh temporary directory; crashes are real
-child processes that exit 73 at a named boundary.  Two things only are simulated with
-unittest.mock, as the article says: a tool child that times out, and a batch of
-children whose start-up fails half way.  The driver tests come last: they read the
-one experiment run that runs in the background meanwhile.
+child processes that exit 73 at a named boundary: forked as the driver forks them
+(run_experiment.fork_start), or fresh interpreters where the command line itself is
+under test.  Two things only are simulated with unittest.mock, as the article says: a
+tool child that times out, and a batch of children whose start-up fails half way.  The
+driver tests come last: results.json's figures (run_experiment.py --check proves the
+live run equals it), the driver itself, and the five files alone.
 """
 import os
 import sys
@@ -52,20 +54,12 @@ TEMPLATE = {}  # the three databases made once by init(), copied per test (no fs
 
 
 def setUpModule():
-    run_experiment.start_shared()  # the experiment runs in its own processes while the unit tests run
     TEMPLATE["dir"] = tempfile.TemporaryDirectory()
     reliability.init(TEMPLATE["dir"].name)
 
 
 def tearDownModule():
-    run_experiment.shared_runs()  # waits for it and reaps it, even if no test asked
     TEMPLATE.pop("dir").cleanup()
-
-
-def load_tests(loader, tests, pattern):
-    """The driver tests go last, so the shared experiment run runs while the others do."""
-    late = (SharedRunTest, DriverTest)
-    return unittest.TestSuite(sorted(tests, key=lambda suite: any(isinstance(test, late) for test in suite)))
 
 
 @contextlib.contextmanager
@@ -1797,7 +1791,7 @@ class PublicNamesTest(unittest.TestCase):
         self.assertTrue(all(hasattr(reliability, name) for name in reliability.__all__))
 
 
-# === driver tests (they read the shared experiment run, or run the driver) ===
+# === driver tests: results.json as committed (--check reruns every scenario against it), and the driver ===
 
 ARTICLE_1 = ["naive_lost_ack", "mark_before_send_loses_task", "idempotent_lost_ack", "before_intent_commit",
              "after_intent_commit", "after_claim", "before_receiver_commit", "after_response_write",
@@ -1806,43 +1800,29 @@ ARTICLE_1 = ["naive_lost_ack", "mark_before_send_loses_task", "idempotent_lost_a
 MATRIX = [f"reliability/{boundary}" for boundary in reliability.BOUNDARIES]
 
 
-def ours():
-    """The shared run's scenarios of reliability.py: article 1, beyond it, and its crash-matrix rows."""
-    return {name: run for name, run in run_experiment.shared_runs().items()
-            if run_experiment.SCENARIOS[name][0] in ("article_1", "open_ends") or name in MATRIX}
+with open(run_experiment.RESULTS, encoding="utf-8") as _handle:
+    RESULTS = json.load(_handle)
 
 
 def stage(name, which, *keys):
-    observed = run_experiment.shared_runs()[name].stages[which]
+    observed = RESULTS[run_experiment.SCENARIOS[name][0]][name][which]
     return tuple(observed[key] for key in keys)
 
 
-class SharedRunTest(unittest.TestCase):
-    """第一篇 §4–§6 as the driver ran them: one run of every scenario per test process."""
+class ResultsTest(unittest.TestCase):
+    """第一篇 §4–§6 as results.json records the driver's run; ``run_experiment.py --check`` reruns
+    every scenario and fails unless the run equals it, so these figures are the live ones."""
 
     def test_the_driver_names_exactly_the_articles_16_scenarios(self):
         self.assertEqual([name for name, (article, _, _) in run_experiment.SCENARIOS.items()
                           if article == "article_1"], ARTICLE_1)
 
-    def test_every_scenario_holds_its_invariants_and_leaves_sound_databases(self):
-        runs = ours()
-        self.assertTrue(set(ARTICLE_1 + MATRIX) <= set(runs))
-        for name, run in runs.items():
-            with self.subTest(name):
-                self.assertEqual(run.failures, [])
-                if run.integrity or not name.startswith("reliability/"):  # a row of covered cells ran nothing
-                    self.assertEqual(set(run.integrity.values()), {"ok"})
-
-    def test_the_results_and_the_matrix_rows_equal_results_json(self):
-        with open(run_experiment.RESULTS, encoding="utf-8") as handle:
-            committed = json.load(handle)
-        observed = run_experiment.results_of(ours().values())
+    def test_results_json_holds_every_scenario_the_driver_registers_and_nothing_else(self):
         for group in ("article_1", "open_ends"):
             with self.subTest(group):
-                self.assertEqual(run_experiment.differences(committed[group], observed[group]), [])
-        mine = lambda results: {k: v for k, v in results.items() if k in MATRIX}
-        self.assertEqual(run_experiment.differences(mine(committed["crash_matrix"]),
-                                                    mine(observed["crash_matrix"])), [])
+                self.assertEqual(set(RESULTS[group]), {name for name, (article, _, _)
+                                                       in run_experiment.SCENARIOS.items() if article == group})
+        self.assertEqual({name for name in RESULTS["crash_matrix"] if name.startswith("reliability/")}, set(MATRIX))
 
     def test_the_articles_figures(self):
         self.assertEqual((stage("naive_lost_ack", "after_lost_ack", "receiver_tickets")
@@ -1865,13 +1845,12 @@ class SharedRunTest(unittest.TestCase):
         self.assertEqual(stage("unsafe_external_retry", "after_unsafe_retry", "external_tickets"), (2,))
 
     def test_the_crash_matrix_crashed_every_boundary_and_only_the_naive_receiver_duplicates(self):
-        runs = run_experiment.shared_runs()
         twice = set()
         for name in MATRIX:
             boundary = name.split("/", 1)[1]
-            cells = runs[name].stages
+            cells = RESULTS["crash_matrix"][name]
             with self.subTest(boundary):
-                self.assertEqual(list(cells), list(run_experiment.matrix_modes(boundary)))
+                self.assertEqual(sorted(cells), sorted(run_experiment.matrix_modes(boundary)))
                 self.assertEqual({cell["exit_code"] for cell in cells.values()}, {CRASH_EXIT})
                 if "idempotent" in cells:
                     self.assertEqual((cells["idempotent"]["sender_state"], cells["idempotent"]["tickets"]), ("done", 1))
