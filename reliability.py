@@ -46,7 +46,7 @@ MAX_TICK = 2 ** 62           # twin: logical ticks stay far inside SQLite's sign
 BUSY_TIMEOUT = 10.0          # twin: seconds BEGIN IMMEDIATE waits for another writer, then "database is locked"
 QUEUE_PAUSE_FIRST = 0.0005   # queued(): a writer in line pauses at random up to this many seconds,
 QUEUE_PAUSE = 0.01           # ...doubling to this,
-QUEUE_PATIENCE = 0.02        # ...until it has waited this long,
+QUEUE_PATIENCE = 0.01        # ...until it has waited this long,
 QUEUE_PAUSE_URGENT = 0.0002  # ...then up to this
 
 # 第一篇 §4: the named crash boundaries, in the order a request meets them, and the process

@@ -191,7 +191,7 @@ def fork_start(module, argv, keep=(), stderr=None):
             random.seed()  # siblings must not share the parent's back-off sequence
             try:
                 code = module.main(list(argv))
-            except SystemExit as exit:  # argparse's usage error: its code, as the interpreter reports it
+            except SystemExit as exit:  # argparse's usage error (exit 2), as the interpreter reports it
                 code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
             except BaseException:
                 traceback.print_exc()  # os._exit below would swallow it

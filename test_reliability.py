@@ -1894,6 +1894,16 @@ class DriverTest(unittest.TestCase):
         self.assertEqual(summary["operations"], kinds)
         self.assertEqual((summary["kills"], min(kinds.values()) > 0), (3, True))  # what the seed gives, every run
 
+    @unittest.skipUnless(os.path.isdir("/proc/self/fd"), "the check reads /proc/self/fd")
+    def test_fork_start_refuses_to_fork_while_this_process_holds_a_database_the_child_opens(self):
+        with workspace() as ws:
+            ws.receiver.execute("SELECT 1")  # an open connection, as a test or the driver might hold
+            for argv in (["serve", "receive", ws.path("receiver")], ["snapshot", ws.root]):
+                with self.subTest(argv=argv), self.assertRaisesRegex(RuntimeError, "receiver.db open"):
+                    run_experiment.fork_start(reliability, argv)
+            ws.close()
+            self.assertEqual(cli("snapshot", ws.root)[0], 0)
+
     def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
         with tempfile.TemporaryDirectory() as directory:
             for argv in (["--output", directory], ["--output", os.path.join(directory, "missing", "out.json")],
