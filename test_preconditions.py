@@ -74,11 +74,6 @@ def digest_of(command):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def child(*args):
-    """argv for a child exactly as the experiment driver's --exec mode starts it."""
-    return [sys.executable, "-I", "-S", MODULE, *map(str, args)]
-
-
 def run_child(argv, stdin=b"", **options):
     """(exit code, stdout, stderr) of a fresh process: its bytes decoded as UTF-8, the child always reaped."""
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
