@@ -48,6 +48,15 @@ OTHER_PAYLOAD = {"title": "打印机卡纸", "priority": 3, "tags": ["office", "
 GARBAGE = bytes(range(256)) * 16  # deterministic, and not an SQLite header
 
 
+def fs_name(text, fallback):
+    """``text`` if this process can name a file with it, else ``fallback`` (an ASCII locale without UTF-8 mode)."""
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        return fallback
+    return text
+
+
 # --- helpers ----------------------------------------------------------------------
 
 TEMPLATE = {}  # the three databases made once by init(), copied per test (no fsyncs per test)
@@ -1504,7 +1513,7 @@ class PermissionTest(Case):
         with tempfile.TemporaryDirectory() as top:
             os.chmod(top, 0o755)  # another user may pass through
             for label, (folder_mode, file_mode, named) in cases.items():
-                folder = os.path.join(top, label.replace(" ", "-") + "-数据")
+                folder = os.path.join(top, label.replace(" ", "-") + fs_name("-数据", "-data"))
                 reliability.init(folder)
                 path = os.path.join(folder, RECEIVER)
                 content = file_bytes(path)
@@ -1628,7 +1637,7 @@ class FailedSyscallTest(Case):
         with contextlib.ExitStack() as stack:
             children, outcomes, roots = {}, {}, {}
             for name, inject in variants.items():  # three children at once, each on its own copy
-                roots[name] = stack.enter_context(tempfile.TemporaryDirectory(prefix="提交-"))  # non-ASCII path
+                roots[name] = stack.enter_context(tempfile.TemporaryDirectory(prefix=fs_name("提交-", "commit-")))
                 for kind in KINDS:
                     shutil.copyfile(os.path.join(TEMPLATE["dir"].name, kind), os.path.join(roots[name], kind))
                 database = os.path.join(roots[name], RECEIVER)
