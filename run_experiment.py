@@ -79,7 +79,7 @@ def scenario(article, description, cell=None):
 # --- processes ----------------------------------------------------------------------
 # A child is a real process either way.  Where os.fork exists, it is forked from this
 # (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
-# about a millisecond instead of a fresh interpreter's ~50 ms.  --exec starts every
+# a few milliseconds instead of a fresh interpreter's ~30 ms.  --exec starts every
 # child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent
 USE_FORK = hasattr(os, "fork")
@@ -149,21 +149,25 @@ def fork_start(module, argv, keep=(), stderr=None):
 
     Call it only while this process holds no SQLite connection to a file the child
     opens: SQLite's per-process lock bookkeeping must not be copied into a child.
-    Where /proc/self/fd exists that rule is checked: a database named in ``argv``, its
-    -wal and -shm, or any file in a directory named there, must not be held open here.
-    ``stderr``, a descriptor, becomes the child's stderr; it exits as ``python3
-    module.py argv...`` would (SystemExit's code; a traceback and 1 on an exception).
+    Where /proc/self/fd exists that rule is checked, by inode, for the databases argv
+    names (with their -wal and -shm) and the *.db files of a directory it names.
+    ``stderr``, a descriptor, becomes the child's stderr; the child exits as
+    ``sys.exit(module.main(argv))`` in ``python3 module.py argv...`` would.
     """
     held = set()
     for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
         with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
-            held.add(os.readlink(os.path.join("/proc/self/fd", fd)))
-    for path in map(os.path.realpath, filter(os.path.exists, argv)):
-        clash = sorted(name for name in held if name in (path, path + "-wal", path + "-shm")
-                       or os.path.dirname(name) == path)  # a file, or a file in a directory
-        if clash:
-            raise RuntimeError(f"fork_start: this process holds {clash[0]} open, and the child opens it;"
-                               " close that connection before forking")
+            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
+    for arg in argv:
+        if os.path.isdir(arg):
+            opened = [os.path.join(arg, name) for name in os.listdir(arg) if name.endswith((".db", ".db-wal", ".db-shm"))]
+        else:
+            opened = [arg, arg + "-wal", arg + "-shm"]
+        for path in opened:
+            with contextlib.suppress(OSError):  # not a file: nothing to hold
+                if os.stat(path)[1:3] in held:
+                    raise RuntimeError(f"fork_start: this process holds {path} open, and the child opens it;"
+                                       " close that connection before forking")
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
     sys.stdout.flush()
@@ -192,13 +196,16 @@ def fork_start(module, argv, keep=(), stderr=None):
             try:
                 code = module.main(list(argv))
             except SystemExit as exit:  # argparse's usage error (exit 2), as the interpreter reports it
-                code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+                code = exit.code
             except BaseException:
                 traceback.print_exc()  # os._exit below would swallow it
+            if code is not None and not isinstance(code, int):  # as sys.exit("text"): printed, exit 1
+                sys.stderr.write(f"{code}\n")
+                code = 1
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            os._exit(code if isinstance(code, int) else 0 if code is None else 1)
     os.close(stdin_r)
     os.close(stdout_w)
     return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
@@ -255,6 +262,26 @@ def finish(child, stdin_text=None):
         child.communicate()
         raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
     return child.wait(), output.decode("utf-8").splitlines()
+
+
+def run_together(commands, stdin=b"", **options):
+    """Run every command (an argv list) at once, each to its end with ``stdin`` as input, for
+    the tests; [(exit code, stdout, stderr)] as bytes.  A child still running at the
+    watchdog, or when anything fails, is killed and reaped: none is left behind."""
+    children, done = [], []
+    try:
+        for argv in commands:
+            children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, **options))
+        for child in children:
+            out, err = child.communicate(stdin, timeout=WATCHDOG)
+            done.append((child.returncode, out, err))
+        return done
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                child.communicate()
 
 
 def run_child(module, *args, stdin_text=None):
@@ -415,6 +442,17 @@ def fork_json(function, *args):
             os._exit(code)
     os.close(writer)
     return pid, reader
+
+
+def run_forked(function, *args):
+    """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it failed)."""
+    pid, reader = fork_json(function, *args)
+    with os.fdopen(reader, encoding="utf-8") as pipe:
+        text = pipe.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0:
+        raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
+    return json.loads(text)
 
 
 def _revive(name, state):
@@ -1044,11 +1082,7 @@ def threaded(run, ops):
     if not USE_FORK:
         counts = race_in_threads(run.db, ops)
     else:
-        pid, reader = fork_json(race_in_threads, run.db, ops)
-        with os.fdopen(reader, encoding="utf-8") as pipe:
-            text = pipe.read()
-        os.waitpid(pid, 0)
-        counts = json.loads(text)
+        counts = run_forked(race_in_threads, run.db, ops)
     run.log("parent", f"8 threads, {len(ops)} submissions: {counts}")
     run.inject(f"8 threads, {len(ops)} submissions")
     return counts

@@ -36,6 +36,8 @@ import run_experiment
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "preconditions.py")
 WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
+# This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
+SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{option}" for option in sys.warnoptions]
 START = ({"A": (10, 1), "B": (0, 1)}, 0, 0)  # (name: (quantity, revision)), effects, receipts
 APPLIED = {"status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}}
 AFTER_APPLIED = ({"A": (7, 2), "B": (3, 2)}, 1, 1)
@@ -495,30 +497,33 @@ class CrashesAndRaces(Case):
 
     def race(self, entry, ops, path=None, threads=8):
         """``threads`` threads (the article's 8), each with its own connection, released together by
-        a barrier, submit ``ops`` between them; the outcomes, counted."""
-        barrier = threading.Barrier(threads)
-        outcomes, lock = [], threading.Lock()
+        a barrier, submit ``ops`` between them; the outcomes, counted.  They run in a forked process,
+        as the driver's race does: a process that has had threads forks no more children."""
+        def run():
+            barrier = threading.Barrier(threads)
+            outcomes, lock = [], threading.Lock()
 
-        def racer(share):
-            try:
-                connection = pre.connect(path or self.db)
+            def racer(share):
                 try:
-                    barrier.wait(timeout=WATCHDOG)
-                    found = [entry(connection, op)["status"] for op in share]
-                finally:
-                    connection.close()
-            except BaseException as error:  # reported below, not lost in the thread
-                barrier.abort()
-                found = [f"{type(error).__name__}: {error}"]
-            with lock:
-                outcomes.extend(found)
+                    connection = pre.connect(path or self.db)
+                    try:
+                        barrier.wait(timeout=WATCHDOG)
+                        found = [entry(connection, op)["status"] for op in share]
+                    finally:
+                        connection.close()
+                except BaseException as error:  # reported below, not lost in the thread
+                    barrier.abort()
+                    found = [f"{type(error).__name__}: {error}"]
+                with lock:
+                    outcomes.extend(found)
 
-        started = [threading.Thread(target=racer, args=(ops[k::threads],)) for k in range(threads)]
-        for thread in started:
-            thread.start()
-        for thread in started:
-            thread.join()
-        return collections.Counter(outcomes)
+            started = [threading.Thread(target=racer, args=(ops[k::threads],)) for k in range(threads)]
+            for thread in started:
+                thread.start()
+            for thread in started:
+                thread.join()
+            return collections.Counter(outcomes)
+        return collections.Counter(run_experiment.run_forked(run))
 
     def safe(self, connection, op):
         return pre.execute(connection, op, plan(), issued_at=0, now=0)
@@ -697,11 +702,7 @@ class FilesAndSchema(Case):
 
     def connect_as_nobody(self, path):
         """pre.connect(path) in a forked child, as nobody (uid/gid 65534) if we are root: 'ok' or 'Type: message'."""
-        pid, reader = run_experiment.fork_json(_connect_as_nobody, path)
-        with os.fdopen(reader, encoding="utf-8") as pipe:
-            text = pipe.read()
-        self.assertEqual(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), 0)
-        return json.loads(text)
+        return run_experiment.run_forked(_connect_as_nobody, path)
 
     def test_unreadable_read_only_file_or_read_only_directory_is_a_permission_error_naming_it(self):
         folder = os.path.join(self.dir, "shared")
@@ -780,16 +781,29 @@ class FilesAndSchema(Case):
 
 
 class CommandLine(Case):
-    """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2."""
+    """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2/73."""
+
+    def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
+        # The real entry point, `python3 -I -S preconditions.py ...` and its sys.exit(main()), once per
+        # exit code, side by side; the other tests fork main(argv) as the driver does.
+        commands = {0: ["snapshot", self.db], 1: ["snapshot", os.path.join(self.dir, "missing.db")], 2: ["bogus"],
+                    73: ["execute", self.db, "job-1", json.dumps(plan()), "--now", "0", "--crash", "after_commit"]}
+        done = run_experiment.run_together([[sys.executable, "-I", "-S", MODULE, *argv] for argv in commands.values()])
+        self.assertEqual([code for code, _, _ in done], list(commands))
+        self.assertEqual(json.loads(done[0][1])["receipts"], 0)
+        self.assertTrue(done[1][2].startswith(b"preconditions.py snapshot: "), done[1][2])
+        self.assertIn(b"invalid choice", done[2][2])
+        self.assertEqual(self.figures(), AFTER_APPLIED)  # the crash came after COMMIT
 
     def test_exit_codes_and_utf8_output_whatever_the_locale(self):
-        # An ASCII locale: LC_ALL=C with Python's UTF-8 mode off (by default C means UTF-8 and proves nothing).
-        legacy = dict(os.environ, LC_ALL="C", LANG="C")
+        # Text streams that are not UTF-8, as an 8-bit locale makes them: the C locale with UTF-8 mode
+        # off and latin-1 streams (by default C means UTF-8; -I would ignore PYTHONIOENCODING).
+        legacy = dict(os.environ, LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
 
-        def in_legacy(*args):  # a fresh interpreter, as --exec starts it, with UTF-8 mode off
-            return [sys.executable, "-I", "-S", "-X", "utf8=0", *map(str, args)]
+        def in_legacy(*args):
+            return [sys.executable, "-S", "-X", "utf8=0", *map(str, args)]
         probe = in_legacy("-c", "import sys; print(sys.stdout.encoding)")
-        self.assertEqual(run_child(probe, env=legacy), (0, "ascii\n", ""))  # really not UTF-8
+        self.assertEqual(run_child(probe, env=legacy), (0, "iso8859-1\n", ""))  # really not UTF-8
         db = os.path.join(self.dir, "cli.db")
         code, out, err = cli("init", db, "名额A=10", "B=0")
         self.assertEqual((code, err), (0, ""))
@@ -942,18 +956,17 @@ class DriverScenarios(unittest.TestCase):
                 shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
             env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
             env["PYTHONDONTWRITEBYTECODE"] = "1"
-            # The article's command on one scenario of each group (the README's --check runs them all),
-            # while another process imports the tests and counts what the driver registered.
-            commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected", "preconditions/after_commit"],
+            # The article's command, while another process imports the tests and counts what the
+            # driver registered; both with this run's interpreter flags (-X dev, -W error).
+            commands = [["run_experiment.py", "--check"],
                         ["-c", "import sys, test_preconditions, run_experiment; print(len(run_experiment.SCENARIOS),"
                                " 'reliability' in sys.modules)"]]
-            children = [subprocess.Popen([sys.executable, *command], cwd=folder, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE) for command in commands]
-            (check, _), (imported, err) = [child.communicate(timeout=WATCHDOG) for child in children]
-            self.assertEqual(children[0].returncode, 0, check.decode("utf-8"))
-            self.assertIn(b"2/2 scenarios match results.json", check)
-            self.assertEqual((children[1].returncode, imported.decode("utf-8"), err),
-                             (0, f"{len(ARTICLE_7) + len(MATRIX)} False\n", b""))
+            (code, check, _), imported = run_experiment.run_together(
+                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=folder, env=env)
+            self.assertEqual(code, 0, check.decode("utf-8"))
+            self.assertIn(f"{len(ARTICLE_7) + len(MATRIX)}/{len(ARTICLE_7) + len(MATRIX)} scenarios match results.json",
+                          check.decode("utf-8"))
+            self.assertEqual(imported, (0, f"{len(ARTICLE_7) + len(MATRIX)} False\n".encode(), b""))
             self.assertEqual(sorted(os.listdir(folder)), ["README.md", "preconditions.py", "results.json",
                                                           "run_experiment.py", "test_preconditions.py"])
 

@@ -48,6 +48,10 @@ OTHER_PAYLOAD = {"title": "打印机卡纸", "priority": 3, "tags": ["office", "
 GARBAGE = bytes(range(256)) * 16  # deterministic, and not an SQLite header
 
 
+# This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
+SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{option}" for option in sys.warnoptions]
+
+
 def fs_name(text, fallback):
     """``text`` if this process can name a file with it, else ``fallback`` (an ASCII locale without UTF-8 mode)."""
     try:
@@ -186,7 +190,9 @@ def write_file(path, data):
         handle.write(data)
 
 
-LEGACY = ["-X", "utf8=0"], dict(os.environ, LC_ALL="C", LANG="C")  # ASCII text streams: the C locale without UTF-8 mode
+# A fresh interpreter whose text streams are not UTF-8, as an 8-bit locale makes them: the C locale
+# with UTF-8 mode off, and latin-1 streams (-I would ignore PYTHONIOENCODING, so -S alone).
+LEGACY = ["-S", "-X", "utf8=0"], dict(os.environ, LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
 
 
 def launcher(crash=None, started=None, legacy=False):
@@ -198,7 +204,7 @@ def launcher(crash=None, started=None, legacy=False):
         if not legacy:
             child = run_experiment.fork_start(reliability, argv)
         else:
-            child = subprocess.Popen([sys.executable, "-I", "-S", *LEGACY[0], SCRIPT, *argv],
+            child = subprocess.Popen([sys.executable, *LEGACY[0], SCRIPT, *argv],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=LEGACY[1])
         if started is not None:
             started.append(child)
@@ -210,7 +216,12 @@ def cli(*argv, stdin=b""):
     """reliability.py's command line, main(argv), in a forked child; (exit code, stdout, stderr) as UTF-8."""
     with tempfile.TemporaryFile() as stderr:
         child = run_experiment.fork_start(reliability, [str(arg) for arg in argv], stderr=stderr.fileno())
-        out, _ = child.communicate(stdin, timeout=WATCHDOG)
+        try:
+            out, _ = child.communicate(stdin, timeout=WATCHDOG)
+        finally:
+            if child.returncode is None:  # a hung child is killed and reaped, never left behind
+                child.kill()
+                child.communicate()
         stderr.seek(0)
         return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
@@ -815,6 +826,21 @@ class CrashBoundaryTest(Case):
         self.assertEqual(child.communicate.call_args_list[0].kwargs.get("timeout"), 0.5)
         self.assertIn("communicate", names[names.index("kill") + 1:])  # reaped after the kill
 
+    def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
+        # The real entry point, `python3 -I -S reliability.py ...` and its sys.exit(main()), once per
+        # exit code, side by side; the other tests fork main(argv) as the driver does.
+        request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0, "now": 0}).encode()
+        with workspace() as ws:
+            commands = {0: ["snapshot", ws.root], 1: ["snapshot", ws.path("missing")], 2: ["bogus"],
+                        CRASH_EXIT: ["serve", "receive", ws.path("receiver"), "--crash", "after_receiver_commit"]}
+            done = run_experiment.run_together([[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()],
+                                               request + b"\n")
+            self.assertEqual([code for code, _, _ in done], list(commands))
+            self.assertEqual(json.loads(done[0][1])["sender"], {"intent_rows": 0, "outbox": []})
+            self.assertTrue(done[1][2].startswith(b"reliability.py snapshot: "), done[1][2])
+            self.assertIn(b"invalid choice", done[2][2])
+            self.assertEqual((done[3][1], counts(ws)["tickets"]), (b"", 1))  # committed, then died before replying
+
     def test_the_tool_childs_command_line_refuses_a_boundary_it_does_not_own(self):
         with workspace() as ws:
             for argv in (("serve", "receive", ws.path("receiver"), "--crash", "after_claim"),
@@ -995,10 +1021,10 @@ class UnknownTest(Case):
             self.assertEqual((state(ws), counts(ws)["external"]), (("unknown", 1), 2))
 
     def test_a_locale_without_utf8_does_not_garble_a_chinese_key_in_either_mode(self):
-        # LC_ALL=C with Python's UTF-8 mode off: by default C means UTF-8 and would prove nothing.
-        probe = subprocess.run([sys.executable, "-I", "-S", *LEGACY[0], "-c", "import sys; print(sys.stdin.encoding)"],
+        # Not LC_ALL=C alone: by default C means UTF-8 and would prove nothing (see LEGACY).
+        probe = subprocess.run([sys.executable, *LEGACY[0], "-c", "import sys; print(sys.stdin.encoding, sys.stdout.encoding)"],
                                env=LEGACY[1], stdin=subprocess.DEVNULL, capture_output=True, check=True)
-        self.assertEqual(probe.stdout.strip(), b"ascii")  # the child's text streams really are not UTF-8
+        self.assertEqual(probe.stdout.strip(), b"iso8859-1 iso8859-1")  # the child's text streams really are not UTF-8
         for mode, database in (("idempotent", "receiver"), ("external", "external")):
             with self.subTest(mode=mode), workspace() as ws:
                 payload = {"title": "打印机卡纸", "备注": "三楼"}
@@ -1484,11 +1510,7 @@ class SchemaVersionTest(Case):
 
 def connect_error_as_another_user(path):
     """The text of what connect(path) raises in a forked child that is not root (uid/gid 65534 if we are)."""
-    pid, reader = run_experiment.fork_json(_connect_as_nobody, path)
-    with os.fdopen(reader, encoding="utf-8") as pipe:
-        text = pipe.read()
-    os.waitpid(pid, 0)
-    return json.loads(text) if text else "the child reported nothing"
+    return run_experiment.run_forked(_connect_as_nobody, path)
 
 
 def _connect_as_nobody(path):
@@ -1607,24 +1629,29 @@ class QueueTest(Case):
 STRACE = shutil.which("strace")
 
 
-def strace_works():
-    """strace must exist, be allowed to trace (ptrace is often forbidden in containers) and know
-    --seccomp-bpf (5.3 and newer), which stops the child only at the calls we fail, not at all of them."""
-    if not STRACE:
-        return False
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        return subprocess.run([STRACE, "-f", "--seccomp-bpf", "-o", os.devnull, "true"], capture_output=True,
-                              timeout=WATCHDOG).returncode == 0
-    return False
+def strace_flags():
+    """None where strace is missing or may not trace (ptrace is often forbidden in containers); else
+    ["--seccomp-bpf"] where that works cleanly (strace 5.3+: the child stops only at the traced
+    calls, not at every call), or [] where it does not."""
+    for flags in (["--seccomp-bpf"], []) if STRACE else ():
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            done = subprocess.run([STRACE, "-f", *flags, "-e", "trace=getpid", "-o", os.devnull, "true"],
+                                  capture_output=True, timeout=WATCHDOG)
+            if (done.returncode, done.stderr) == (0, b""):
+                return flags
+    return None
 
 
-@unittest.skipUnless(strace_works(), "needs a working strace to make system calls fail for real")
+STRACE_FLAGS = strace_flags()
+
+
+@unittest.skipUnless(STRACE_FLAGS is not None, "needs a working strace to make system calls fail for real")
 class FailedSyscallTest(Case):
     """Beyond 第一篇: a COMMIT whose fsync fails is an unknown outcome; an unopenable WAL is one line."""
 
     def strace(self, inject, path, *argv):
-        # --seccomp-bpf stops the child only at the traced call, but then strace 6.1 sends no injected signal.
-        fast = [] if "signal=" in inject else ["--seccomp-bpf"]
+        # With --seccomp-bpf strace 6.1 sends no injected signal, so that one child stops at every call.
+        fast = [] if "signal=" in inject else STRACE_FLAGS
         return [STRACE, "-f", *fast, "-o", os.devnull, "-e", f"trace={inject.split(':')[0]}", "-e", f"inject={inject}",
                 "-P", path, sys.executable, "-I", "-S", SCRIPT, *argv]
 
@@ -1635,18 +1662,15 @@ class FailedSyscallTest(Case):
         request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0, "now": 0},
                              ensure_ascii=False).encode("utf-8") + b"\n"
         with contextlib.ExitStack() as stack:
-            children, outcomes, roots = {}, {}, {}
+            commands, roots = [], {}
             for name, inject in variants.items():  # three children at once, each on its own copy
                 roots[name] = stack.enter_context(tempfile.TemporaryDirectory(prefix=fs_name("提交-", "commit-")))
                 for kind in KINDS:
                     shutil.copyfile(os.path.join(TEMPLATE["dir"].name, kind), os.path.join(roots[name], kind))
                 database = os.path.join(roots[name], RECEIVER)
-                children[name] = stack.enter_context(subprocess.Popen(
-                    self.strace(f"fdatasync:{inject}", database + "-wal", "serve", "receive", database),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-            for name, child in children.items():
-                out, err = child.communicate(request, timeout=WATCHDOG)
-                outcomes[name] = (out.decode("utf-8"), err.decode("utf-8"), child.returncode)
+                commands.append(self.strace(f"fdatasync:{inject}", database + "-wal", "serve", "receive", database))
+            outcomes = {name: (out.decode("utf-8"), err.decode("utf-8"), code) for name, (code, out, err)
+                        in zip(variants, run_experiment.run_together(commands, request))}
             for name in ("error survives", "disk full"):
                 out, err, code = outcomes[name]
                 self.assertEqual((out, code), ("", 1))
@@ -1891,27 +1915,36 @@ class DriverTest(unittest.TestCase):
     def test_a_seeded_torture_run_does_the_seeded_work_dies_at_the_seeded_points_and_holds(self):
         if run_experiment.preconditions is None:
             self.skipTest("torture works both modules: preconditions.py is not here")
-        seed, n = 1, 8  # 4 workers x 8 operations; the seed makes them all six kinds and kills 3
+        seed, n = 1955, 8  # 4 workers x 8 operations; this seed kills one operation of each kind
         summary = run_experiment.torture(seed=seed, operations=n)
         self.assertEqual(summary["violations"], [])
         points = [(i, op) for i in range(run_experiment.TORTURE_WORKERS) for op in range(n)]
-        self.assertEqual(summary["kills"], sum(run_experiment._torture_kill_point(seed, i, op) is not None
-                                               for i, op in points))
         kinds = dict.fromkeys(run_experiment.TORTURE_WORK, 0)
+        killed = []
         for i, op in points:
-            kinds[run_experiment._torture_op(seed, i, op)[0]] += 1
-        self.assertEqual(summary["operations"], kinds)
-        self.assertEqual((summary["kills"], min(kinds.values()) > 0), (3, True))  # what the seed gives, every run
+            kind, where = run_experiment._torture_op(seed, i, op)[0], run_experiment._torture_kill_point(seed, i, op)
+            kinds[kind] += 1
+            if where:
+                killed.append((kind, where))
+        self.assertEqual((summary["operations"], summary["kills"]), (kinds, len(killed)))
+        # What the seed gives, every run: every kind killed once, before its work and after it.
+        self.assertEqual(({kind for kind, _ in killed}, {where for _, where in killed}),
+                         (set(run_experiment.TORTURE_WORK), {"before", "after"}))
 
     @unittest.skipUnless(os.path.isdir("/proc/self/fd"), "the check reads /proc/self/fd")
     def test_fork_start_refuses_to_fork_while_this_process_holds_a_database_the_child_opens(self):
         with workspace() as ws:
             ws.receiver.execute("SELECT 1")  # an open connection, as a test or the driver might hold
             for argv in (["serve", "receive", ws.path("receiver")], ["snapshot", ws.root]):
-                with self.subTest(argv=argv), self.assertRaisesRegex(RuntimeError, "receiver.db open"):
+                with self.subTest(argv=argv), self.assertRaisesRegex(RuntimeError, r"receiver\.db(-wal|-shm)? open"):
                     run_experiment.fork_start(reliability, argv)
             ws.close()
-            self.assertEqual(cli("snapshot", ws.root)[0], 0)
+            alias = os.path.join(ws.root, "alias")
+            os.link(ws.path("receiver"), alias)  # another name for the same inode: SQLite's lock records are per inode
+            with contextlib.closing(reliability.connect(alias)), self.assertRaisesRegex(RuntimeError, "receiver.db open"):
+                run_experiment.fork_start(reliability, ["serve", "receive", ws.path("receiver")])
+            with open(os.path.join(ws.root, "notes.txt"), "w"):  # not a database: no reason to refuse
+                self.assertEqual(cli("snapshot", ws.root)[0], 0)
 
     def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
         with tempfile.TemporaryDirectory() as directory:
@@ -1999,14 +2032,13 @@ class DriverTest(unittest.TestCase):
             commands = [["run_experiment.py", "--check", "results.json", "--output", "reproduced.json", *only],
                         ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
                                " 'preconditions' in sys.modules)"]]
-            children = [subprocess.Popen([sys.executable, *command], cwd=directory, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE) for command in commands]
-            (check, _), (imported, err) = [child.communicate(timeout=WATCHDOG) for child in children]
-            self.assertEqual(children[0].returncode, 0, check.decode("utf-8"))
+            (code, check, _), imported = run_experiment.run_together(
+                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=directory, env=env)
+            self.assertEqual(code, 0, check.decode("utf-8"))
             self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
-            self.assertEqual((children[1].returncode, imported, err), (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
+            self.assertEqual(imported, (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
             self.assertEqual(sorted(os.listdir(directory)), sorted(five + ("reproduced.json",)))
 
 
