@@ -786,14 +786,15 @@ class CommandLine(Case):
     def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
         # The real entry point, `python3 -I -S preconditions.py ...` and its sys.exit(main()), once per
         # exit code, side by side; the other tests fork main(argv) as the driver does.
+        crash = self.make_db(name="crash.db")  # its own file: the snapshot beside it must not race it
         commands = {0: ["snapshot", self.db], 1: ["snapshot", os.path.join(self.dir, "missing.db")], 2: ["bogus"],
-                    73: ["execute", self.db, "job-1", json.dumps(plan()), "--now", "0", "--crash", "after_commit"]}
+                    73: ["execute", crash, "job-1", json.dumps(plan()), "--now", "0", "--crash", "after_commit"]}
         done = run_experiment.run_together([[sys.executable, "-I", "-S", MODULE, *argv] for argv in commands.values()])
         self.assertEqual([code for code, _, _ in done], list(commands))
         self.assertEqual(json.loads(done[0][1])["receipts"], 0)
         self.assertTrue(done[1][2].startswith(b"preconditions.py snapshot: "), done[1][2])
         self.assertIn(b"invalid choice", done[2][2])
-        self.assertEqual(self.figures(), AFTER_APPLIED)  # the crash came after COMMIT
+        self.assertEqual(self.figures(crash), AFTER_APPLIED)  # the crash came after COMMIT
 
     def test_exit_codes_and_utf8_output_whatever_the_locale(self):
         # Text streams that are not UTF-8, as an 8-bit locale makes them: the C locale with UTF-8 mode
