@@ -803,15 +803,16 @@ class CommandLine(Case):
 
         def in_legacy(*args):
             return [sys.executable, "-S", "-X", "utf8=0", *map(str, args)]
-        probe = in_legacy("-c", "import sys; print(sys.stdout.encoding)")
-        self.assertEqual(run_child(probe, env=legacy), (0, "iso8859-1\n", ""))  # really not UTF-8
         db = os.path.join(self.dir, "cli.db")
         code, out, err = cli("init", db, "名额A=10", "B=0")
         self.assertEqual((code, err), (0, ""))
         self.assertEqual(json.loads(out), {"resources": {"B": {"quantity": 0, "revision": 1},
                                                          "名额A": {"quantity": 10, "revision": 1}},
                                            "effects": 0, "receipts": 0})
-        self.assertEqual(run_child(in_legacy(MODULE, "snapshot", db), env=legacy), (0, out, ""))  # UTF-8 bytes all the same
+        probe, snapshot = run_experiment.run_together(
+            [in_legacy("-c", "import sys; print(sys.stdout.encoding)"), in_legacy(MODULE, "snapshot", db)], env=legacy)
+        self.assertEqual(probe, (0, b"iso8859-1\n", b""))  # the child's text streams really are not UTF-8
+        self.assertEqual(snapshot, (0, out.encode("utf-8"), b""))  # its answer is UTF-8 bytes all the same
         usage = [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"), ("bogus",)]
         for argv in usage:
             with self.subTest(argv=argv):

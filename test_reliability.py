@@ -2043,10 +2043,16 @@ class DriverTest(unittest.TestCase):
 
 
 @functools.lru_cache(maxsize=None)
-def module_definitions(path):
-    """Module-level names defined in a file (read as text: the other module may be absent)."""
+def parsed(path):
+    """A file's syntax tree, read as text (the other module may be absent), parsed once."""
     with open(path, encoding="utf-8") as handle:
-        tree = ast.parse(handle.read())
+        return ast.parse(handle.read())
+
+
+@functools.lru_cache(maxsize=None)
+def module_definitions(path):
+    """Module-level names defined in a file."""
+    tree = parsed(path)
     return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))} | {
         target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
         if isinstance(target, ast.Name)}
@@ -2085,10 +2091,9 @@ class ReadmeTest(unittest.TestCase):
     def test_the_test_counts_it_gives_are_the_files_own(self):
         for name in ("test_reliability.py", "test_preconditions.py"):
             if os.path.exists(os.path.join(HERE, name)):
-                with open(os.path.join(HERE, name), encoding="utf-8") as handle:
-                    tree = ast.parse(handle.read())
                 count = sum(isinstance(item, ast.FunctionDef) and item.name.startswith("test")
-                            for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for item in node.body)
+                            for node in parsed(os.path.join(HERE, name)).body if isinstance(node, ast.ClassDef)
+                            for item in node.body)
                 self.assertIn(f"`{name}` {count} 个测试", self.text)
                 self.assertIn(f"`{name}` " + ("has " if name == "test_reliability.py" else "") + f"{count}", self.text)
 
