@@ -160,7 +160,8 @@ def fork_start(module, argv, keep=(), stderr=None):
             held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
     for arg in argv:
         if os.path.isdir(arg):
-            opened = [os.path.join(arg, name) for name in os.listdir(arg) if name.endswith((".db", ".db-wal", ".db-shm"))]
+            opened = [os.path.join(arg, name) for name in os.listdir(arg)
+                      if name.endswith((".db", ".db-wal", ".db-shm"))]
         else:
             opened = [arg, arg + "-wal", arg + "-shm"]
         for path in opened:
@@ -195,17 +196,20 @@ def fork_start(module, argv, keep=(), stderr=None):
             random.seed()  # siblings must not share the parent's back-off sequence
             try:
                 code = module.main(list(argv))
-            except SystemExit as exit:  # argparse's usage error (exit 2), as the interpreter reports it
+            except SystemExit as exit:  # argparse's usage error (exit 2)
                 code = exit.code
             except BaseException:
                 traceback.print_exc()  # os._exit below would swallow it
-            if code is not None and not isinstance(code, int):  # as sys.exit("text"): printed, exit 1
+                code = 1
+            if code is None:
+                code = 0
+            elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
                 sys.stderr.write(f"{code}\n")
                 code = 1
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+            os._exit(code)
     os.close(stdin_r)
     os.close(stdout_w)
     return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])

@@ -833,8 +833,8 @@ class CrashBoundaryTest(Case):
         with workspace() as ws:
             commands = {0: ["snapshot", ws.root], 1: ["snapshot", ws.path("missing")], 2: ["bogus"],
                         CRASH_EXIT: ["serve", "receive", ws.path("receiver"), "--crash", "after_receiver_commit"]}
-            done = run_experiment.run_together([[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()],
-                                               request + b"\n")
+            fresh = [[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()]
+            done = run_experiment.run_together(fresh, request + b"\n")
             self.assertEqual([code for code, _, _ in done], list(commands))
             self.assertEqual(json.loads(done[0][1])["sender"], {"intent_rows": 0, "outbox": []})
             self.assertTrue(done[1][2].startswith(b"reliability.py snapshot: "), done[1][2])
@@ -1022,7 +1022,8 @@ class UnknownTest(Case):
 
     def test_a_locale_without_utf8_does_not_garble_a_chinese_key_in_either_mode(self):
         # Not LC_ALL=C alone: by default C means UTF-8 and would prove nothing (see LEGACY).
-        probe = subprocess.run([sys.executable, *LEGACY[0], "-c", "import sys; print(sys.stdin.encoding, sys.stdout.encoding)"],
+        probe = subprocess.run([sys.executable, *LEGACY[0], "-c",
+                                "import sys; print(sys.stdin.encoding, sys.stdout.encoding)"],
                                env=LEGACY[1], stdin=subprocess.DEVNULL, capture_output=True, check=True)
         self.assertEqual(probe.stdout.strip(), b"iso8859-1 iso8859-1")  # the child's text streams really are not UTF-8
         for mode, database in (("idempotent", "receiver"), ("external", "external")):
