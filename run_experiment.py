@@ -268,27 +268,16 @@ def finish(child, stdin_text=None):
     return child.wait(), output.decode("utf-8").splitlines()
 
 
-def start_together(commands, **options):
-    """Start every command (an argv list) with piped stdin, stdout and stderr, for the tests:
-    all of them or, if one fails to start, none (the started ones are killed and reaped)."""
-    children = []
+def run_together(commands, stdin=b"", **options):
+    """Run every command (an argv list) at once, each to its end with ``stdin`` as input, for
+    the tests; [(exit code, stdout, stderr)] as bytes.  A child still running at the
+    watchdog, or when anything fails, is killed and reaped: none is left behind."""
+    children, done = [], []
     try:
         for argv in commands:
             children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, **options))
-    except BaseException:
-        end_together(children, kill=True)
-        raise
-    return children
-
-
-def end_together(children, stdin=b"", kill=False):
-    """Run each child to its end with ``stdin`` as input; [(exit code, stdout, stderr)] as bytes.
-    One still running at the watchdog, or when anything fails, is killed and reaped: none is
-    left behind.  ``kill=True`` kills them all first."""
-    done = []
-    try:
-        for child in children if not kill else ():
+        for child in children:
             out, err = child.communicate(stdin, timeout=WATCHDOG)
             done.append((child.returncode, out, err))
         return done
@@ -297,11 +286,6 @@ def end_together(children, stdin=b"", kill=False):
             if child.returncode is None:
                 child.kill()
                 child.communicate()
-
-
-def run_together(commands, stdin=b"", **options):
-    """start_together, then end_together: every command at once, each to its end."""
-    return end_together(start_together(commands, **options), stdin)
 
 
 def run_child(module, *args, stdin_text=None):

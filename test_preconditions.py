@@ -146,37 +146,14 @@ def _connect_as_nobody(path):
 TEMPLATE = {}  # an A = 10, B = 0 database made once by init(), byte-copied per test
 
 
-FIVE = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md")
-FIVE_FILES = {}  # article 7's download run alone: started by setUpModule, so it runs while the other tests do
-
-
 def setUpModule():
     TEMPLATE["dir"] = tempfile.TemporaryDirectory()
     TEMPLATE["path"] = os.path.join(TEMPLATE["dir"].name, "template.db")
     pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
-    start_five_files()
 
 
 def tearDownModule():
-    run_experiment.end_together(FIVE_FILES.pop("children", []), kill=True)  # if its test did not run
-    FIVE_FILES.pop("folder").cleanup()
     TEMPLATE.pop("dir").cleanup()
-
-
-def start_five_files():
-    """Article 7's five files alone in a folder: the article's command, beside an import of the tests
-    that counts what the driver registered; both with this run's interpreter flags (-X dev, -W error).
-    DriverScenarios reads them."""
-    FIVE_FILES["folder"] = tempfile.TemporaryDirectory()
-    for name in FIVE:
-        shutil.copyfile(os.path.join(HERE, name), os.path.join(FIVE_FILES["folder"].name, name))
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    commands = [["run_experiment.py", "--check"],
-                ["-c", "import sys, test_preconditions, run_experiment; print(len(run_experiment.SCENARIOS),"
-                       " 'reliability' in sys.modules)"]]
-    FIVE_FILES["children"] = run_experiment.start_together(
-        [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=FIVE_FILES["folder"].name, env=env)
 
 
 class Case(unittest.TestCase):
@@ -976,12 +953,24 @@ class DriverScenarios(unittest.TestCase):
                           if key.endswith("after_crash")}, pre.EXIT_CODES)
 
     def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
-        (code, check, _), imported = run_experiment.end_together(FIVE_FILES.pop("children"))  # see start_five_files
-        self.assertEqual(code, 0, check.decode("utf-8"))
-        total = len(ARTICLE_7) + len(MATRIX)
-        self.assertIn(f"{total}/{total} scenarios match results.json", check.decode("utf-8"))
-        self.assertEqual(imported, (0, f"{total} False\n".encode(), b""))
-        self.assertEqual(sorted(os.listdir(FIVE_FILES["folder"].name)), sorted(FIVE))
+        with tempfile.TemporaryDirectory() as folder:
+            for name in ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md"):
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
+            env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+            # The article's command, while another process imports the tests and counts what the
+            # driver registered; both with this run's interpreter flags (-X dev, -W error).
+            commands = [["run_experiment.py", "--check"],
+                        ["-c", "import sys, test_preconditions, run_experiment; print(len(run_experiment.SCENARIOS),"
+                               " 'reliability' in sys.modules)"]]
+            (code, check, _), imported = run_experiment.run_together(
+                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=folder, env=env)
+            self.assertEqual(code, 0, check.decode("utf-8"))
+            self.assertIn(f"{len(ARTICLE_7) + len(MATRIX)}/{len(ARTICLE_7) + len(MATRIX)} scenarios match results.json",
+                          check.decode("utf-8"))
+            self.assertEqual(imported, (0, f"{len(ARTICLE_7) + len(MATRIX)} False\n".encode(), b""))
+            self.assertEqual(sorted(os.listdir(folder)), ["README.md", "preconditions.py", "results.json",
+                                                          "run_experiment.py", "test_preconditions.py"])
 
 
 class DriverCrashMatrix(unittest.TestCase):

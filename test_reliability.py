@@ -64,39 +64,15 @@ def fs_name(text, fallback):
 # --- helpers ----------------------------------------------------------------------
 
 TEMPLATE = {}  # the three databases made once by init(), copied per test (no fsyncs per test)
-FIVE = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py", "README.md")
-
-
-FIVE_FILES = {}  # article 1's download run alone: started by setUpModule, so it runs while the other tests do
 
 
 def setUpModule():
     TEMPLATE["dir"] = tempfile.TemporaryDirectory()
     reliability.init(TEMPLATE["dir"].name)
-    start_five_files()
 
 
 def tearDownModule():
-    run_experiment.end_together(FIVE_FILES.pop("children", []), kill=True)  # if its test did not run
-    FIVE_FILES.pop("folder").cleanup()
     TEMPLATE.pop("dir").cleanup()
-
-
-def start_five_files():
-    """Article 1's five files alone in a folder: the article's command, on one scenario of each group
-    (the same imports, registration and comparison as the whole run, which the README's --check does),
-    beside an import of the tests that counts what the driver registered; both with this run's
-    interpreter flags (-X dev, -W error).  DriverTest reads them."""
-    FIVE_FILES["folder"] = tempfile.TemporaryDirectory()
-    for name in FIVE:
-        shutil.copyfile(os.path.join(HERE, name), os.path.join(FIVE_FILES["folder"].name, name))
-    only = ["--only", "idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
-    commands = [["run_experiment.py", "--check", "results.json", "--output", "reproduced.json", *only],
-                ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
-                       " 'preconditions' in sys.modules)"]]
-    FIVE_FILES["children"] = run_experiment.start_together(
-        [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=FIVE_FILES["folder"].name,
-        env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
 
 
 @contextlib.contextmanager
@@ -2045,14 +2021,26 @@ class DriverTest(unittest.TestCase):
         self.assertEqual(run_experiment.differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
 
     def test_the_five_downloaded_files_alone_reproduce_results_json_and_import_the_tests(self):
-        (code, check, _), imported = run_experiment.end_together(FIVE_FILES.pop("children"))  # see start_five_files
-        self.assertEqual(code, 0, check.decode("utf-8"))
-        self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
-        folder = FIVE_FILES["folder"].name
-        with open(os.path.join(folder, "reproduced.json"), encoding="utf-8") as handle:
-            self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
-        self.assertEqual(imported, (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
-        self.assertEqual(sorted(os.listdir(folder)), sorted(FIVE + ("reproduced.json",)))
+        five = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py", "README.md")
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        with tempfile.TemporaryDirectory() as directory:
+            for name in five:
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(directory, name))
+            # The article's command, on one scenario of each group: the same imports, registration and
+            # comparison as the whole run (which the README's --check already does), at a fraction of the time;
+            # meanwhile another process imports the tests and counts what the driver registered.
+            only = ["--only", "idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
+            commands = [["run_experiment.py", "--check", "results.json", "--output", "reproduced.json", *only],
+                        ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
+                               " 'preconditions' in sys.modules)"]]
+            (code, check, _), imported = run_experiment.run_together(
+                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=directory, env=env)
+            self.assertEqual(code, 0, check.decode("utf-8"))
+            self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
+            with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
+                self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
+            self.assertEqual(imported, (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
+            self.assertEqual(sorted(os.listdir(directory)), sorted(five + ("reproduced.json",)))
 
 
 @functools.lru_cache(maxsize=None)
