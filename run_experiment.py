@@ -159,13 +159,13 @@ def fork_start(module, argv, keep=(), stderr=None):
         with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
             held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
     for arg in argv:
+        opened = [arg, arg + "-wal", arg + "-shm"]
         if os.path.isdir(arg):
-            opened = [os.path.join(arg, name) for name in os.listdir(arg)
-                      if name.endswith((".db", ".db-wal", ".db-shm"))]
-        else:
-            opened = [arg, arg + "-wal", arg + "-shm"]
+            with contextlib.suppress(OSError):  # unreadable: the child will say so
+                opened = [os.path.join(arg, name) for name in os.listdir(arg)
+                          if name.endswith((".db", ".db-wal", ".db-shm"))]
         for path in opened:
-            with contextlib.suppress(OSError):  # not a file: nothing to hold
+            with contextlib.suppress(OSError, ValueError):  # not a file (or not a path at all): nothing held
                 if os.stat(path)[1:3] in held:
                     raise RuntimeError(f"fork_start: this process holds {path} open, and the child opens it;"
                                        " close that connection before forking")

@@ -799,7 +799,8 @@ class CommandLine(Case):
     def test_exit_codes_and_utf8_output_whatever_the_locale(self):
         # Text streams that are not UTF-8, as an 8-bit locale makes them: the C locale with UTF-8 mode
         # off and latin-1 streams (by default C means UTF-8; -I would ignore PYTHONIOENCODING).
-        legacy = dict(os.environ, LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
+        legacy = dict({key: value for key, value in os.environ.items() if not key.startswith("PYTHON")},
+                      LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
 
         def in_legacy(*args):
             return [sys.executable, "-S", "-X", "utf8=0", *map(str, args)]

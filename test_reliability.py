@@ -32,6 +32,7 @@ import sqlite3
 import subprocess
 import tempfile
 import time
+import types
 import unittest
 from unittest import mock
 
@@ -192,7 +193,8 @@ def write_file(path, data):
 
 # A fresh interpreter whose text streams are not UTF-8, as an 8-bit locale makes them: the C locale
 # with UTF-8 mode off, and latin-1 streams (-I would ignore PYTHONIOENCODING, so -S alone).
-LEGACY = ["-S", "-X", "utf8=0"], dict(os.environ, LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
+LEGACY = ["-S", "-X", "utf8=0"], dict({key: value for key, value in os.environ.items() if not key.startswith("PYTHON")},
+                                      LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
 
 
 def launcher(crash=None, started=None, legacy=False):
@@ -830,8 +832,8 @@ class CrashBoundaryTest(Case):
         # The real entry point, `python3 -I -S reliability.py ...` and its sys.exit(main()), once per
         # exit code, side by side; the other tests fork main(argv) as the driver does.
         request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0, "now": 0}).encode()
-        with workspace() as ws:
-            commands = {0: ["snapshot", ws.root], 1: ["snapshot", ws.path("missing")], 2: ["bogus"],
+        with workspace() as ws, workspace() as other:  # the snapshot reads other, so the crash cannot race it
+            commands = {0: ["snapshot", other.root], 1: ["snapshot", ws.path("missing")], 2: ["bogus"],
                         CRASH_EXIT: ["serve", "receive", ws.path("receiver"), "--crash", "after_receiver_commit"]}
             fresh = [[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()]
             done = run_experiment.run_together(fresh, request + b"\n")
@@ -1946,6 +1948,26 @@ class DriverTest(unittest.TestCase):
                 run_experiment.fork_start(reliability, ["serve", "receive", ws.path("receiver")])
             with open(os.path.join(ws.root, "notes.txt"), "w"):  # not a database: no reason to refuse
                 self.assertEqual(cli("snapshot", ws.root)[0], 0)
+            self.assertEqual(cli("snapshot", "\ud800")[0], 1)  # not even a path: the child, not the guard, says so
+
+    def test_a_forked_child_exits_as_sys_exit_of_main_would(self):
+        def module(outcome):  # a stand-in module whose main() returns or raises ``outcome``
+            def main(argv):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                return outcome
+            stand_in = types.ModuleType("stand_in")
+            stand_in.main = main
+            return stand_in
+        cases = [(None, 0, ""), (3, 3, ""), ("text", 1, "text\n"), (SystemExit(2), 2, ""),
+                 (SystemExit("bye"), 1, "bye\n"), (ValueError("boom"), 1, "ValueError: boom\n")]
+        for outcome, code, tail in cases:
+            with self.subTest(outcome=outcome), tempfile.TemporaryFile() as stderr:
+                child = run_experiment.fork_start(module(outcome), [], stderr=stderr.fileno())
+                child.communicate(b"", timeout=WATCHDOG)
+                stderr.seek(0)
+                self.assertEqual(child.returncode, code)
+                self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
 
     def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
         with tempfile.TemporaryDirectory() as directory:
