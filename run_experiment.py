@@ -268,6 +268,29 @@ def finish(child, stdin_text=None):
     return child.wait(), output.decode("utf-8").splitlines()
 
 
+def fork_main(module, argv, stdin=b"", at_ready=None):
+    """``module.main(argv)`` in a child forked by fork_start, run to its end, for the tests:
+    (exit code, stdout, stderr) as bytes.  With ``at_ready`` the child's first line must be
+    READY; at_ready() runs, then GO is written.  A child still running at the watchdog, or
+    when anything here fails, is killed and reaped."""
+    with tempfile.TemporaryFile() as stderr:
+        child = fork_start(module, [str(arg) for arg in argv], stderr=stderr.fileno())
+        try:
+            if at_ready is not None:
+                ready = child.readline()
+                if ready != "READY":
+                    raise AssertionError(f"the child said {ready!r}, not READY")
+                at_ready()
+                stdin = b"GO\n"
+            out, _ = child.communicate(stdin, timeout=WATCHDOG)
+        finally:
+            if child.returncode is None:
+                child.kill()
+                child.communicate()
+        stderr.seek(0)
+        return child.returncode, out, stderr.read()
+
+
 def run_together(commands, stdin=b"", **options):
     """Run every command (an argv list) at once, each to its end with ``stdin`` as input, for
     the tests; [(exit code, stdout, stderr)] as bytes.  A child still running at the

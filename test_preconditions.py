@@ -25,7 +25,6 @@ import json
 import re
 import shutil
 import sqlite3
-import subprocess
 import tempfile
 import threading
 import unittest
@@ -76,38 +75,12 @@ def digest_of(command):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def run_child(argv, stdin=b"", **options):
-    """(exit code, stdout, stderr) of a fresh process: its bytes decoded as UTF-8, the child always reaped."""
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          **options) as proc:
-        try:
-            out, err = proc.communicate(stdin, timeout=WATCHDOG)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise AssertionError(f"{argv} still ran after the {WATCHDOG} s watchdog")
-    return proc.returncode, out.decode("utf-8"), err.decode("utf-8")
-
-
 def cli(*args, between=None):
     """preconditions.py's command line, main(argv), in a forked child as the driver's children run;
     (exit code, stdout, stderr) as UTF-8.  With ``between``, for a --wait child: at its READY
     line (it has read what it checks) run between(), then write GO."""
-    with tempfile.TemporaryFile() as stderr:
-        proc = run_experiment.fork_start(pre, [str(arg) for arg in args], stderr=stderr.fileno())
-        try:
-            if between is not None:
-                ready = proc.readline()
-                if ready != "READY":
-                    raise AssertionError(f"the child said {ready!r}, not READY")
-                between()
-            out, _ = proc.communicate(b"GO\n" if between else None, timeout=WATCHDOG)
-        finally:
-            if proc.returncode is None:  # a failed assertion must not leave it running
-                proc.kill()
-                proc.communicate()
-        stderr.seek(0)
-        return proc.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
+    code, out, err = run_experiment.fork_main(pre, args, at_ready=between)
+    return code, out.decode("utf-8"), err.decode("utf-8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -828,10 +801,10 @@ class CommandLine(Case):
                 self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
                 self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: "), err)
         # json.dumps escapes 名额A, so the argument is ASCII; the answer names it in UTF-8.
-        code, out, _ = run_child(in_legacy(MODULE, "execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0),
-                                 env=legacy)
-        self.assertEqual((code, out), (0, '{"quantities":{"B":3,"名额A":7},"revisions":{"B":2,"名额A":2},'
-                                          '"status":"applied"}\n'))
+        [(code, out, _)] = run_experiment.run_together(
+            [in_legacy(MODULE, "execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0)], env=legacy)
+        self.assertEqual((code, out.decode("utf-8")),
+                         (0, '{"quantities":{"B":3,"名额A":7},"revisions":{"B":2,"名额A":2},"status":"applied"}\n'))
         self.assertEqual(json.loads(cli("snapshot", db)[1])["receipts"], 1)
 
 

@@ -216,16 +216,8 @@ def launcher(crash=None, started=None, legacy=False):
 
 def cli(*argv, stdin=b""):
     """reliability.py's command line, main(argv), in a forked child; (exit code, stdout, stderr) as UTF-8."""
-    with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(reliability, [str(arg) for arg in argv], stderr=stderr.fileno())
-        try:
-            out, _ = child.communicate(stdin, timeout=WATCHDOG)
-        finally:
-            if child.returncode is None:  # a hung child is killed and reaped, never left behind
-                child.kill()
-                child.communicate()
-        stderr.seek(0)
-        return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
+    code, out, err = run_experiment.fork_main(reliability, argv, stdin)
+    return code, out.decode("utf-8"), err.decode("utf-8")
 
 
 def unknown_external(ws, key="k1"):
