@@ -437,41 +437,51 @@ CRASH_AT = None  # the boundary at which this process dies; set only by a child'
 
 def crash_point(name):
     if name == CRASH_AT:
+        os.write(2, f"preconditions.py: died at {name} (exit {EXIT_CODES[name]})\n".encode())  # unbuffered
         os._exit(EXIT_CODES[name])  # no finally, no flush, no COMMIT: a real process death
 
 
-# --- command line: what the experiment's child processes run ----------------------------------
+# --- command line: the experiment's child processes, and a reader stepping by hand ----------------
 
 def main(argv=None):
-    """preconditions.py init DB NAME=QTY... | execute DB OP COMMAND_JSON --now T [--issued-at T0]
-    [--crash B] [--wait] | change DB OP NAME DELTA --now T [--issued-at T0]
-    | unsafe-check-then-act DB OP COMMAND_JSON | snapshot DB
-
-    Prints one line of compact sorted-key JSON (after READY where --wait or the unsafe
-    baseline waits for GO on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or
-    failed (one line on stderr), 2 bad usage; --crash exits with EXIT_CODES[B] there.
+    """preconditions.py COMMAND DB ...: one line of compact sorted-key JSON on stdout, whose
+    "status" says what happened (after READY where --wait or the unsafe baseline waits for
+    GO on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or failed (one line on
+    stderr), 2 bad usage; at --crash BOUNDARY the process says so on stderr and exits
+    71, 72 or 73 (EXIT_CODES).
     """
     global CRASH_AT
     import argparse
     parser = argparse.ArgumentParser(prog="preconditions.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    p = sub.add_parser("init", help="create a database")
-    p.add_argument("db"), p.add_argument("resources", nargs="+", metavar="NAME=QTY")
-    for name in ("execute", "unsafe-check-then-act"):
-        p = sub.add_parser(name, help="run a plan" + (" (UNSAFE baseline: READY/GO between check and write)"
-                                                      if name.startswith("unsafe") else ""))
-        p.add_argument("db"), p.add_argument("op"), p.add_argument("command", metavar="COMMAND_JSON")
-    p = sub.choices["execute"]
-    p.add_argument("--now", type=int, required=True, help="logical tick")
-    p.add_argument("--issued-at", type=int, help="the tick the op was decided at (default --now); a retry "
-                   "must pass the original one, or a retry after purge() could be decided again")
-    p.add_argument("--crash", choices=EXIT_CODES, help="exit with EXIT_CODES[CRASH] at that boundary")
-    p.add_argument("--wait", action="store_true", help="print READY and wait for GO on stdin first")
-    p = sub.add_parser("change", help="quantity + DELTA, revision + 1, once per OP")
-    p.add_argument("db"), p.add_argument("op"), p.add_argument("name"), p.add_argument("delta", type=int)
-    p.add_argument("--now", type=int, required=True, help="logical tick")
-    p.add_argument("--issued-at", type=int, help="the tick the op was decided at (default --now)")
-    sub.add_parser("snapshot", help="print the current state").add_argument("db")
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+
+    def command(name, text, *positionals, ticks=True):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("db", metavar="DB", help="the database file")
+        for argument, helptext, *options in positionals:
+            p.add_argument(argument, help=helptext, **(options[0] if options else {}))
+        if ticks:
+            p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick it happens at")
+            p.add_argument("--issued-at", type=int, metavar="T0", help="the tick the op was decided at (default T);"
+                           " a retry must pass the original one, or after purge it could be decided again")
+        return p
+    op = ("op", "the operation ID, stable for one decision")
+    plan = ("command", 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N, "expected": {NAME: REVISION, ...}}',
+            {"metavar": "COMMAND_JSON"})
+    command("init", "create a database with each resource at revision 1",
+            ("resources", "a resource and its quantity", {"nargs": "+", "metavar": "NAME=QTY"}), ticks=False)
+    p = command("execute", "run a version-checked plan once (第七篇 §2-§6)", op, plan)
+    p.add_argument("--crash", choices=EXIT_CODES, metavar="BOUNDARY", help="die at that boundary with its exit code: "
+                   + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items()))
+    p.add_argument("--wait", action="store_true", help="print READY, then wait for GO on stdin before the transaction")
+    command("change", "quantity + DELTA and revision + 1, once per op (第七篇 §4)", op,
+            ("name", "the resource"), ("delta", "the change of its quantity", {"type": int}))
+    command("purge", "delete receipts older than T - W and raise the low-water mark", ticks=False).add_argument(
+        "--window", type=int, required=True, metavar="W", help="ticks of receipts to keep")
+    sub.choices["purge"].add_argument("--now", type=int, required=True, metavar="T", help="the logical tick")
+    command("snapshot", "print the resources, and how many effects and receipts there are", ticks=False)
+    command("unsafe-check-then-act", "UNSAFE baseline: check, READY/GO, then write without checking again", op,
+            plan, ticks=False)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     CRASH_AT = getattr(args, "crash", None)
     issued_at = getattr(args, "now", None) if getattr(args, "issued_at", None) is None else args.issued_at
@@ -483,7 +493,7 @@ def main(argv=None):
                 if not sep or not name or name in resources or not quantity.lstrip("-").isdigit():
                     parser.error(f"expected distinct NAME=QTY with an integer QTY, got {item!r}")
                 resources[name] = int(quantity)
-            _emit(init(args.db, resources))
+            _emit(dict(init(args.db, resources), status="initialised"))
             return 0
         connection = connect(args.db)
         try:
@@ -491,8 +501,13 @@ def main(argv=None):
                 _emit(snapshot(connection))
             elif args.subcommand == "change":
                 _emit(change(connection, args.op, args.name, args.delta, issued_at=issued_at, now=args.now))
+            elif args.subcommand == "purge":
+                _emit(dict(purge(connection, args.now, args.window), status="purged"))
             else:
-                command = json.loads(args.command, object_pairs_hook=_no_repeats)
+                try:
+                    command = json.loads(args.command, object_pairs_hook=_no_repeats)
+                except ValueError as error:
+                    raise ValueError(f"COMMAND_JSON is not JSON ({error}): {args.command[:60]!r}") from None
                 if args.subcommand.startswith("unsafe"):
                     _emit(unsafe_check_then_act(connection, args.op, command, pause=_wait_for_go))
                 else:

@@ -574,19 +574,38 @@ def init(root):
 
 
 def snapshot(connection):
-    """Counts and outbox rows of one of our databases, for observers and tests."""
-    kind = connection.execute("PRAGMA application_id").fetchone()[0]
-    if kind == KINDS[SENDER]:
-        rows = connection.execute(
-            "SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, o.response"
-            " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id").fetchall()
-        return {"intent_rows": connection.execute("SELECT count(*) FROM requests").fetchone()[0],
-                "outbox": [{"caller": c, "key": k, "mode": m, "state": s, "attempts": a, "lease_until": l,
-                            "response": json.loads(r) if r else None} for c, k, m, s, a, l, r in rows]}
-    tickets = connection.execute("SELECT count(*) FROM tickets").fetchone()[0]
-    if kind == KINDS[RECEIVER]:
-        return {"tickets": tickets, "receipts": connection.execute("SELECT count(*) FROM receipts").fetchone()[0]}
-    return {"tickets": tickets}
+    """What one of our databases holds, read in one transaction: for observers, tests and a reader.
+
+    sender.db: the number of intents, the outbox rows with their request's digest (what
+    resolve()'s evidence must carry) and the response recorded, and the audit rows;
+    receiver.db: the number of tickets, the receipts and the low-water mark; external.db:
+    its tickets, each in the form of the tool's response.  Meant for small databases.
+    """
+    own = not connection.in_transaction  # inside a caller's transaction, read within it
+    if own:
+        connection.execute("BEGIN")
+    try:
+        read = lambda sql: connection.execute(sql).fetchall()
+        kind = read("PRAGMA application_id")[0][0]
+        if kind == KINDS[SENDER]:
+            return {"intent_rows": read("SELECT count(*) FROM requests")[0][0],
+                    "outbox": [{"caller": c, "key": k, "mode": m, "state": s, "attempts": a, "lease_until": l,
+                                "digest": d, "response": json.loads(r) if r else None} for c, k, m, s, a, l, d, r in read(
+                        "SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, r.digest, o.response"
+                        " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id")],
+                    "resolutions": [{"caller": c, "key": k, "attempt": a, "decision": d, "decided_by": b, "reason": w}
+                                    for c, k, a, d, b, w in read("SELECT caller, key, attempt, decision, decided_by,"
+                                                                 " reason FROM resolutions ORDER BY id")]}
+        if kind == KINDS[RECEIVER]:
+            return {"tickets": read("SELECT count(*) FROM tickets")[0][0],
+                    "receipts": [{"caller": c, "key": k, "digest": d, "ticket_id": t, "tick": n} for c, k, d, t, n
+                                 in read("SELECT caller, key, digest, ticket_id, tick FROM receipts ORDER BY tick, ticket_id")],
+                    "low_water": read("SELECT low_water FROM retention")[0][0]}
+        return {"tickets": [{"caller": c, "key": k, "digest": d, "ticket_id": t} for t, c, k, d
+                            in read("SELECT id, caller, key, digest FROM tickets ORDER BY id")]}
+    finally:
+        if own:
+            connection.execute("COMMIT")
 
 
 def canonical(payload):
@@ -807,94 +826,115 @@ CRASH_AT = None  # the boundary at which this process dies; set only by a child'
 
 def crash_point(name):
     if name == CRASH_AT:
+        os.write(2, f"reliability.py: died at {name} (exit {CRASH_EXIT})\n".encode())  # unbuffered: said, then gone
         os._exit(CRASH_EXIT)  # no finally, no flush, no COMMIT: a real process death
 
 
 # --- command line: the experiment's child processes, and a reader stepping by hand ----------------
 
-def main(argv=None):
-    """reliability.py COMMAND ROOT ...: one JSON line on stdout (UTF-8 bytes whatever the locale).
+TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}  # serve TOOL: who owns its crashes
 
-    init, enqueue, claim, dispatch, deliver, snapshot, reconcile, resolve, purge, the
-    baseline unsafe-dispatch-mark-before, and ``serve TOOL DB`` for a tool child (one
-    request line on stdin).  Exit 0 done, 1 refused or failed (one line on stderr), 2
-    bad usage; ``--crash BOUNDARY`` exits with CRASH_EXIT there.
+
+def main(argv=None):
+    """reliability.py COMMAND ...: one JSON line on stdout (UTF-8 bytes whatever the locale).
+
+    Each command's line says what happened in its "status"; snapshot prints what the
+    three databases hold; ``serve TOOL DB`` is a tool child (one request line on stdin,
+    one reply line out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad
+    usage.  At ``--crash BOUNDARY`` the process says so on stderr and exits CRASH_EXIT;
+    dispatch and deliver pass a tool child's boundary on to the child they start.
     """
     global CRASH_AT
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:  # parsed by hand: a child starts per tool call, so start-up is its cost
-        owner = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}.get(argv[1] if len(argv) > 1 else "")
-        crash = argv[4:] if argv[3:4] == ["--crash"] else []
-        if len(argv) != 3 + 2 * bool(crash) or owner is None or (crash and BOUNDARIES.get(crash[0]) != owner):
-            sys.stderr.write("usage: reliability.py serve {receive,external,unsafe-receive} DB"
-                             " [--crash BOUNDARY of that tool]\n")
-            return 2
-        CRASH_AT = crash[0] if crash else None
-        request = sys.stdin.buffer.readline()
-        if not request:  # the sender went away before asking: nothing to answer, nothing to say
-            return 1
-        try:
-            line = _serve(argv[1], argv[2], request)
-        except (KeyError, ValueError, TypeError, OSError, sqlite3.Error, CorruptRecord) as error:
-            sys.stderr.write(f"reliability.py serve: {type(error).__name__}: {error}\n")
-            return 1
-        sys.stdout.buffer.write(line + b"\n")
-        sys.stdout.buffer.flush()
-        crash_point("after_response_write")  # the complete reply is already in the pipe
-        return 0
-    import argparse
-    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name, helptext, *positional, now=True):
-        p = sub.add_parser(name, help=helptext)
-        for argument in ("root",) + positional:
-            p.add_argument(argument)
-        if now:
-            p.add_argument("--now", type=int, required=True, help="logical tick")
-        crashes = [b for b, owner in BOUNDARIES.items() if owner == name]
-        if crashes:
-            p.add_argument("--crash", choices=crashes, help=f"exit {CRASH_EXIT} at that boundary")
-        return p
-
-    command("init", "create the three databases", now=False)
-    command("enqueue", "accept an intent into the outbox", "caller", "key", "payload").add_argument(
-        "--mode", choices=MODES, default="idempotent")
-    command("claim", "claim one due row")
-    command("dispatch", "claim one due row and call its tool")
-    command("unsafe-dispatch-mark-before", "UNSAFE baseline: record done, then send")
-    command("deliver", "call the tool for a row claimed earlier, under its attempt", "caller", "key").add_argument(
-        "--attempt", type=int, required=True)
-    command("snapshot", "print what the three databases hold", now=False)
-    command("reconcile", "settle an unknown row from the external tool's records", "caller", "key")
-    p = command("resolve", "record a person's decision on an unknown or blocked row", "caller", "key", "decision",
-                now=False)
-    p.add_argument("--by", required=True), p.add_argument("--why", required=True)
-    p.add_argument("--evidence", help="for done: the tool's response, as JSON")
-    command("purge", "delete old receipts and raise the low-water mark").add_argument(
-        "--window", type=int, required=True)
-    args = parser.parse_args(argv)
-    CRASH_AT = getattr(args, "crash", None)
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    crash = getattr(args, "crash", None)
+    if args.command == "serve" and crash and BOUNDARIES[crash] != TOOLS[args.tool]:
+        parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
+    passed_on = crash if args.command != "serve" and BOUNDARIES.get(crash) in ("receiver", "external") else None
+    CRASH_AT = None if passed_on else crash
     try:
-        result = _run(args)
-    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, OverflowError, sqlite3.Error) as error:
-        sys.stderr.write(f"reliability.py {args.command}: {error}\n")
+        result = _serve(args) if args.command == "serve" else _run(args, passed_on)
+    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError, OverflowError,
+            sqlite3.Error) as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        sys.stderr.write(f"reliability.py {args.command}: {type(error).__name__}: {message}\n")
         return 1
-    sys.stdout.buffer.write(_dumps(result).encode("utf-8") + b"\n")
-    sys.stdout.buffer.flush()
+    if result is None:  # serve: the sender went away, nobody to answer
+        return 1
+    try:
+        sys.stdout.buffer.write(result + b"\n")
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:  # the reader is gone; keep the interpreter's exit flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    crash_point("after_response_write")  # serve's only: the complete reply is already in the pipe
     return 0
 
 
-def _serve(tool, database, line):
-    """A tool child's answer to one request line (UTF-8 JSON bytes), as UTF-8 JSON bytes."""
+def _parser():
+    import argparse
+    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    mine = lambda *owners: [b for b, owner in BOUNDARIES.items() if owner in owners]
+
+    def command(name, text, *positionals, now=True, crashes=()):
+        p = sub.add_parser(name, help=text, description=text)
+        if name != "serve":
+            p.add_argument("root", metavar="ROOT", help="the folder of sender.db, receiver.db and external.db")
+        for argument, helptext, *choices in positionals:
+            p.add_argument(argument, help=helptext, choices=choices[0] if choices else None)
+        if now:
+            p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick it happens at")
+        if crashes:
+            p.add_argument("--crash", choices=crashes, metavar="BOUNDARY",
+                           help=f"exit {CRASH_EXIT} at that boundary: {', '.join(crashes)}")
+        return p
+    caller = ("caller", "who asks (the caller of the request ID)")
+    key = ("key", "the request ID, stable for one intent")
+    delivery = mine("receiver", "external", "dispatch")
+    command("init", "create the three databases in ROOT", now=False)
+    command("enqueue", "write an intent and its outbox row (第一篇 §2)", caller, key,
+            ("payload", "the intent's parameters, a JSON object"), crashes=mine("enqueue")).add_argument(
+        "--mode", choices=MODES, default="idempotent", help="the receiver with receipts, or a tool without (§6)")
+    wait = dict(action="store_true", help="print READY, then wait for GO on stdin (racers start together)")
+    command("claim", "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)").add_argument("--wait", **wait)
+    command("dispatch", "claim a due row and call its tool in a child process (§4-§6)", crashes=delivery)
+    command("deliver", "call the tool for a row claimed earlier, under that attempt", caller, key,
+            crashes=[b for b in delivery if b != "after_claim"]).add_argument(
+        "--attempt", type=int, required=True, metavar="N", help="the attempt number the claim gave")
+    command("serve", "a tool child: answer one request line on stdin", ("tool", "which tool", list(TOOLS)),
+            ("db", "its database file"), now=False, crashes=mine("receiver", "external")).add_argument(
+        "--wait", **wait)
+    command("snapshot", "print what the three databases hold", now=False)
+    command("reconcile", "settle an unknown row from the external tool's own records", caller, key)
+    p = command("resolve", "record a person's decision on an unknown or blocked row", caller, key,
+                ("decision", "what the person decided", ["done", "retry", "abandon"]), now=False)
+    p.add_argument("--by", required=True, help="who decides")
+    p.add_argument("--why", required=True, help="the reason, kept in the audit row")
+    p.add_argument("--evidence", help='for done: the tool\'s response, a JSON object with exactly caller, key, digest'
+                   ' and ticket_id (snapshot lists the external tool\'s tickets in that form)')
+    command("purge", "delete receipts older than T - W and raise the low-water mark").add_argument(
+        "--window", type=int, required=True, metavar="W", help="ticks of receipts to keep")
+    command("unsafe-dispatch-mark-before", "UNSAFE baseline: record done, then send", crashes=mine(
+        "unsafe-dispatch-mark-before"))
+    return parser
+
+
+def _serve(args):
+    """A tool child's answer to one request line on stdin, as UTF-8 JSON bytes (None: nobody asked)."""
+    line = sys.stdin.buffer.readline()
+    if not line:  # the sender went away before asking: nothing to answer, nothing to say
+        return None
     request = json.loads(line.decode("utf-8"))
     caller, key, payload = request["caller"], request["key"], request["payload"]
-    connection = connect(database)
+    connection = connect(args.db)
     try:
-        if tool == "receive":
+        if args.wait:
+            _wait_for_go()
+        if args.tool == "receive":
             response = receive(connection, caller, key, payload, issued_at=request["issued_at"], now=request["now"])
         else:
-            act = external_create_ticket if tool == "external" else unsafe_receive_without_receipt
+            act = external_create_ticket if args.tool == "external" else unsafe_receive_without_receipt
             response = act(connection, caller, key, payload)
     except (Conflict, Expired) as error:
         response = {"error": "conflict" if isinstance(error, Conflict) else "expired", "message": str(error)}
@@ -903,10 +943,11 @@ def _serve(tool, database, line):
     return _dumps(response).encode("utf-8")
 
 
-def _run(args):
+def _run(args, passed_on):
+    """Run one command; its line as UTF-8 JSON bytes, with a "status" that says what happened."""
     if args.command == "init":
         init(args.root)
-        return "initialised"
+        return _line({"status": "initialised", "databases": list(KINDS)})
     opened = []
 
     def open_(name):
@@ -914,27 +955,96 @@ def _run(args):
         return opened[-1]
     try:
         if args.command == "snapshot":
-            return {name[:-3]: snapshot(open_(name)) for name in KINDS}
+            return _line({name[:-3]: snapshot(open_(name)) for name in KINDS})
         if args.command == "purge":
-            return purge(open_(RECEIVER), args.now, args.window)
+            return _line(dict(purge(open_(RECEIVER), args.now, args.window), status="purged"))
         sender = open_(SENDER)
         if args.command == "enqueue":
-            return enqueue(sender, args.caller, args.key, json.loads(args.payload), now=args.now, mode=args.mode)
-        if args.command == "claim":
-            return claim(sender, args.now)
-        if args.command == "dispatch":
-            return dispatch(sender, args.root, args.now)
-        if args.command == "unsafe-dispatch-mark-before":
-            return unsafe_dispatch_mark_before(sender, args.root, args.now)
-        if args.command == "deliver":
-            return deliver(sender, args.root, _claimed_row(sender, args.caller, args.key, args.attempt, args.now))
+            payload = _json_argument(args.payload, "PAYLOAD")
+            status = enqueue(sender, args.caller, args.key, payload, now=args.now, mode=args.mode)
+            return _line({"status": status, "caller": args.caller, "key": args.key, "mode": args.mode})
         if args.command == "reconcile":
-            return reconcile(sender, open_(EXTERNAL), args.caller, args.key, args.now)
-        evidence = json.loads(args.evidence) if args.evidence else None
-        return resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why, evidence=evidence)
+            return _line(reconcile(sender, open_(EXTERNAL), args.caller, args.key, args.now))
+        if args.command == "resolve":
+            evidence = None if args.evidence is None else _json_argument(args.evidence, "--evidence")
+            return _line(resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why,
+                                 evidence=evidence))
+        due = _in_line(sender)
+        start = None if passed_on is None else _passing_on(passed_on)
+        if args.command == "claim":
+            if args.wait:
+                _wait_for_go()
+            row = claim(sender, args.now)
+            result = {"status": "nothing due", "now": args.now} if row is None else dict(row, status="claimed")
+        elif args.command == "deliver":
+            row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
+            result = _delivered(sender, deliver(sender, args.root, row, start=start))
+        elif args.command == "dispatch":
+            result = _delivered(sender, dispatch(sender, args.root, args.now, start=start), args.now)
+        else:
+            result = _delivered(sender, unsafe_dispatch_mark_before(sender, args.root, args.now), args.now)
+            result["note"] = "UNSAFE baseline: recorded as done before anything was sent"
+        parked = [dict(zip(("caller", "key", "state", "response"), row)) for row in sender.execute(
+            "SELECT caller, key, state, response FROM outbox WHERE state IN ('unknown', 'blocked')"
+            " ORDER BY id").fetchall() if (row[0], row[1]) in due and (row[0], row[1]) != (
+            result.get("caller"), result.get("key"))]
+        if parked:  # rows a claim parked on its way: an expired external row, or one it cannot send
+            result["parked"] = [dict(row, response=json.loads(row["response"]) if row["response"] else None)
+                                for row in parked]
+        if getattr(args, "crash", None) and (passed_on is None or result.get("exit_code") != CRASH_EXIT):
+            result["not_reached"] = args.crash  # still alive: that boundary was never met
+        return _line(result)
     finally:
         for connection in opened:
             connection.close()
+
+
+NOTES = {  # what a delivery left its row as, for a reader of dispatch's line
+    "done": "recorded as done with the tool's answer",
+    "inflight": "no valid answer: in flight until its lease ends, then a claim sends it again under the same key",
+    "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so it is never sent"
+               " again automatically (reconcile, or resolve by hand)",
+    "blocked": "refused for good: a person decides (resolve)",
+}
+
+
+def _delivered(sender, result, now=None):
+    """deliver()'s summary, with the state it left the row in and what that means."""
+    if result is None:
+        return {"status": "nothing due", "now": now}
+    state, lease_until = sender.execute("SELECT state, lease_until FROM outbox WHERE caller = ? AND key = ?",
+                                        (result["caller"], result["key"])).fetchone()
+    return dict(result, status=state, lease_until=lease_until, note=NOTES.get(state, ""))
+
+
+def _in_line(sender):
+    # The rows a claim may take or park now: pending, or in flight (its lease may have ended).
+    return set(sender.execute("SELECT caller, key FROM outbox WHERE state IN ('pending', 'inflight')").fetchall())
+
+
+def _passing_on(crash):
+    """A launcher for call_tool whose tool child dies at ``crash``, if that child's tool owns it."""
+    return lambda argv: start_child(argv + (["--crash", crash] if BOUNDARIES[crash] == TOOLS[argv[1]] else []))
+
+
+def _wait_for_go():
+    """READY/GO: say READY, then block until the parent writes GO on stdin."""
+    sys.stdout.buffer.write(b"READY\n")
+    sys.stdout.buffer.flush()
+    line = sys.stdin.buffer.readline().decode("utf-8").strip()
+    if line != "GO":
+        raise ValueError(f"expected GO on stdin, got {line!r}")
+
+
+def _json_argument(text, what):
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
+def _line(value):
+    return _dumps(value).encode("utf-8")
 
 
 def _claimed_row(connection, caller, key, attempt, now):

@@ -52,6 +52,9 @@ except ModuleNotFoundError:
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
 WATCHDOG = 15.0  # seconds: only stops a hung child, never paces a scenario
+JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
+USE_FORK = hasattr(os, "fork")  # children forked (a few ms) rather than fresh interpreters (~30 ms); --exec: fresh
+MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent
 CALLER, KEY = "agent", "ticket-1"
 PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
@@ -76,515 +79,10 @@ def scenario(article, description, cell=None):
     return register
 
 
-# --- processes ----------------------------------------------------------------------
-# A child is a real process either way.  Where os.fork exists, it is forked from this
-# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
-# a few milliseconds instead of a fresh interpreter's ~30 ms.  --exec starts every
-# child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
-MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent
-USE_FORK = hasattr(os, "fork")
-JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
-
-
-class ForkedChild:
-    """Just enough of subprocess.Popen for a forked child: readline, communicate, kill, wait."""
-
-    def __init__(self, pid, stdin_fd, stdout_fd, args):
-        self.pid, self.args, self.returncode = pid, args, None
-        self._stdin, self._stdout, self._buffer = stdin_fd, stdout_fd, b""
-
-    def _close(self, name):
-        fd = getattr(self, name)
-        if fd is not None:
-            os.close(fd)
-            setattr(self, name, None)
-
-    def _read(self, deadline):
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not select.select([self._stdout], [], [], remaining)[0]:
-            raise subprocess.TimeoutExpired(self.args, WATCHDOG)
-        data = os.read(self._stdout, 65536)
-        if not data:
-            self._close("_stdout")
-        self._buffer += data
-
-    def readline(self, timeout=WATCHDOG):
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer and self._stdout is not None:
-            self._read(deadline)
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line.decode("utf-8")
-
-    def send(self, text):
-        os.write(self._stdin, text.encode("utf-8"))
-
-    def communicate(self, input=None, timeout=None):
-        """Bytes in, bytes out, as a binary subprocess.Popen's."""
-        if self._stdin is not None:
-            try:
-                if input:
-                    os.write(self._stdin, input)  # requests are far below a pipe's buffer
-            except BrokenPipeError:
-                pass  # the child died before reading: its exit code tells
-            self._close("_stdin")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._stdout is not None:
-            self._read(deadline)
-        output, self._buffer = self._buffer, b""
-        self.wait()
-        return output, None
-
-    def kill(self):
-        if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self):
-        if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
-
-
-def fork_start(module, argv, keep=(), stderr=None):
-    """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
-
-    Call it only while this process holds no SQLite connection to a file the child
-    opens: SQLite's per-process lock bookkeeping must not be copied into a child.
-    Where /proc/self/fd exists that rule is checked, by inode, for the databases argv
-    names (with their -wal and -shm) and the *.db files of a directory it names.
-    ``stderr``, a descriptor, becomes the child's stderr; the child exits as
-    ``sys.exit(module.main(argv))`` in ``python3 module.py argv...`` would.
-    """
-    held = set()
-    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
-            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
-    for arg in argv:
-        opened = [arg, arg + "-wal", arg + "-shm"]
-        if os.path.isdir(arg):
-            with contextlib.suppress(OSError):  # unreadable: the child will say so
-                opened = [os.path.join(arg, name) for name in os.listdir(arg)
-                          if name.endswith((".db", ".db-wal", ".db-shm"))]
-        for path in opened:
-            with contextlib.suppress(OSError, ValueError):  # not a file (or not a path at all): nothing held
-                if os.stat(path)[1:3] in held:
-                    raise RuntimeError(f"fork_start: this process holds {path} open, and the child opens it;"
-                                       " close that connection before forking")
-    stdin_r, stdin_w = os.pipe()
-    stdout_r, stdout_w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the driver
-        code = 1
-        try:
-            os.dup2(stdin_r, 0)
-            os.dup2(stdout_w, 1)
-            if stderr is not None:
-                os.dup2(stderr, 2)
-            # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
-            # children (their EOF would wait for this one), nor a writer queue a dead parent held.
-            low = 3
-            for fd in sorted(keep):
-                os.closerange(low, fd)
-                low = fd + 1
-            os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
-            if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
-                reliability.start_child = start_tool
-            sys.stdin = open(0, encoding="utf-8", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-            random.seed()  # siblings must not share the parent's back-off sequence
-            try:
-                code = module.main(list(argv))
-            except SystemExit as exit:  # argparse's usage error (exit 2)
-                code = exit.code
-            except BaseException:
-                traceback.print_exc()  # os._exit below would swallow it
-                code = 1
-            if code is None:
-                code = 0
-            elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
-                sys.stderr.write(f"{code}\n")
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-    os.close(stdin_r)
-    os.close(stdout_w)
-    return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
-
-
-def start(module, *args):
-    """Start ``module`` (a file name in MODULES) with ``args`` as a child with piped stdin and stdout."""
-    args = [str(arg) for arg in args]
-    if USE_FORK:
-        return fork_start(MODULES[module], args)
-    child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module), *args],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # bytes: UTF-8 whatever the locale
-    child.readline = lambda: child.stdout.readline().decode("utf-8")
-    child.send = lambda text: (child.stdin.write(text.encode("utf-8")), child.stdin.flush())
-    return child
-
-
-def start_tool(argv):
-    """The launcher reliability.call_tool uses for the driver's in-process sender."""
-    return start("reliability.py", *argv)
-
-
-def tool_launcher(crash=None, naive=False):
-    """A launcher whose tool child dies at ``crash`` (its own CLI's --crash), or whose receiver
-    is the UNSAFE one without receipts: the sender's protocol is the same either way."""
-    def launch(argv):
-        argv = list(argv)
-        if naive:
-            argv[1] = "unsafe-receive"
-        return start_tool(argv + (["--crash", crash] if crash else []))
-    return launch
-
-
-def start_batch(commands):
-    """Start every (module, *args) command or none: if one fails, the started ones are killed and reaped."""
-    children = []
-    try:
-        for command in commands:
-            children.append(start(*command))
-    except BaseException:
-        for child in children:
-            child.kill()
-            child.communicate()
-        raise
-    return children
-
-
-def finish(child, stdin_text=None):
-    """Wait for a child (killing it at the watchdog); return (exit code, stdout lines)."""
-    try:
-        output, _ = child.communicate(stdin_text and stdin_text.encode("utf-8"), timeout=WATCHDOG)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
-    return child.wait(), output.decode("utf-8").splitlines()
-
-
-def fork_main(module, argv, stdin=b"", at_ready=None):
-    """``module.main(argv)`` in a child forked by fork_start, run to its end, for the tests:
-    (exit code, stdout, stderr) as bytes.  With ``at_ready`` the child's first line must be
-    READY; at_ready() runs, then GO is written.  A child still running at the watchdog, or
-    when anything here fails, is killed and reaped."""
-    with tempfile.TemporaryFile() as stderr:
-        child = fork_start(module, [str(arg) for arg in argv], stderr=stderr.fileno())
-        try:
-            if at_ready is not None:
-                ready = child.readline()
-                if ready != "READY":
-                    raise AssertionError(f"the child said {ready!r}, not READY")
-                at_ready()
-                stdin = b"GO\n"
-            out, _ = child.communicate(stdin, timeout=WATCHDOG)
-        finally:
-            if child.returncode is None:
-                child.kill()
-                child.communicate()
-        stderr.seek(0)
-        return child.returncode, out, stderr.read()
-
-
-def run_together(commands, stdin=b"", **options):
-    """Run every command (an argv list) at once, each to its end with ``stdin`` as input, for
-    the tests; [(exit code, stdout, stderr)] as bytes.  A child still running at the
-    watchdog, or when anything fails, is killed and reaped: none is left behind."""
-    children, done = [], []
-    try:
-        for argv in commands:
-            children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, **options))
-        for child in children:
-            out, err = child.communicate(stdin, timeout=WATCHDOG)
-            done.append((child.returncode, out, err))
-        return done
-    finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                child.communicate()
-
-
-def run_child(module, *args, stdin_text=None):
-    """Run one child to its end; return (exit code, its last stdout line parsed as JSON or None)."""
-    code, lines = finish(start(module, *args), stdin_text)
-    return code, json.loads(lines[-1]) if lines else None
-
-
-# --- one scenario run ---------------------------------------------------------------
-
-class Run:
-    """A scenario's directory, its observed stages, its invariant failures and its timeline."""
-
-    def __init__(self, name, directory):
-        self.name, self.dir = name, directory
-        self.root = directory  # reliability's three databases live here
-        self.db = os.path.join(directory, "transfer.db")  # preconditions' database
-        self.stages, self.failures, self.events, self.integrity, self.injected = {}, [], [], {}, []
-        self.mode = None  # the delivery mode of the scenario's request, for its summary
-
-    def log(self, lane, text):
-        self.events.append((lane, text))
-
-    def inject(self, text):
-        """Name a fault or an interleaving this run really caused, for its one-line summary."""
-        if text not in self.injected:
-            self.injected.append(text)
-
-    def expect(self, label, observed, expected):
-        if observed != expected:
-            self.failures.append(f"{label}: expected {expected!r}, observed {observed!r}")
-
-
-def run_scenario(name, base):
-    article, _, function = SCENARIOS[name]
-    directory = tempfile.mkdtemp(prefix=name.replace("/", "-") + "-", dir=base)
-    run = Run(name, directory)
-    run.template = os.path.join(base, "template")
-    try:
-        if article in ("article_1", "open_ends"):
-            # A copy of databases that reliability.init created (and closed) moments ago.
-            fresh_root(run, run.root)
-        function(run)
-        check_integrity(run)
-    except Exception as error:  # an invariant of the harness itself broke: report, never hide
-        run.failures.append(f"{type(error).__name__}: {error}")
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    return run
-
-
-def fresh_root(run, root):
-    """A copy of the three databases that reliability.init created (and closed) moments ago."""
-    os.makedirs(root, exist_ok=True)
-    for database in reliability.KINDS:
-        shutil.copyfile(os.path.join(run.template, database), os.path.join(root, database))
-    run.root = root
-
-
-def check_integrity(run):
-    """After the scenario's crashes, every database it left must pass SQLite's own checks."""
-    for folder, _, files in sorted(os.walk(run.dir)):
-        for path in sorted(os.path.join(folder, name) for name in files if name.endswith(".db")):
-            with reader(path) as connection:  # read-only: the directory goes next, so no checkpoint
-                quick = connection.execute("PRAGMA quick_check").fetchall()
-                keys = connection.execute("PRAGMA foreign_key_check").fetchall()
-            name = os.path.relpath(path, run.dir)
-            run.integrity[name] = "ok" if quick == [("ok",)] and not keys else f"{quick} {keys}"
-            run.expect(f"integrity of {name}", run.integrity[name], "ok")
-
-
-def run_all(names, jobs=JOBS):
-    """Run scenarios and return their Runs in the order of ``names``."""
-    return collect(start_all(names, jobs))
-
-
-def start_all(names, jobs=JOBS):
-    """Start running scenarios and return at once; collect() waits and returns the Runs.
-
-    With fork, ``jobs`` single-threaded worker processes share the scenarios (each
-    scenario owns its directory and children, so sharing changes no result);
-    otherwise they run here, one after another, before this returns.
-    """
-    pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
-               "workers": [], "runs": None}
-    try:
-        if reliability is not None:
-            reliability.init(os.path.join(pending["base"], "template"))
-        if not USE_FORK or jobs < 2 or len(names) < 2:
-            pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
-        else:
-            for _ in range(min(jobs, len(names))):
-                pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
-    except BaseException:
-        collect(pending)
-        raise
-    return pending
-
-
-def _work(names, base):
-    # Each worker runs the scenarios it is first to claim (one O_EXCL file each), so the
-    # workers finish together however unequal the scenarios are.
-    runs = {}
-    for name in names:
-        try:
-            os.close(os.open(os.path.join(base, "claimed-" + name.replace("/", "-")),
-                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue
-        runs[name] = vars(run_scenario(name, base))
-    return runs
-
-
-def collect(pending):
-    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs."""
-    readers = {reader for _, reader in pending["workers"]}
-    try:
-        if pending["runs"] is None:
-            finished = {}
-            for _, reader in pending["workers"]:
-                readers.discard(reader)
-                with os.fdopen(reader, encoding="utf-8") as pipe:
-                    text = pipe.read()
-                try:
-                    finished.update(json.loads(text))
-                except ValueError:  # the worker died or failed: the scenarios it held say so below
-                    pass
-            lost = {"failures": ["its worker died or failed before reporting (a traceback, if any, is above)"]}
-            pending["runs"] = [_revive(name, finished.get(name, lost)) for name in pending["names"]]
-        return merge_cells(pending["runs"])
-    finally:
-        for reader in readers:  # unread after an error: closing it lets a blocked worker end
-            os.close(reader)
-        for pid, _ in pending["workers"]:  # reaped before the directory goes, whatever happened
-            os.waitpid(pid, 0)
-        pending["workers"] = []
-        shutil.rmtree(pending["base"], ignore_errors=True)
-
-
-def fork_json(function, *args):
-    """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
-    reader, writer = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: reports and never returns into the caller
-        code = 1
-        try:
-            os.close(reader)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
-            random.seed()  # siblings must not share the parent's back-off sequence
-            with os.fdopen(writer, "w", encoding="utf-8") as pipe:
-                json.dump(function(*args), pipe)
-            code = 0
-        except BaseException:
-            traceback.print_exc()  # os._exit below would swallow it
-        finally:
-            os._exit(code)
-    os.close(writer)
-    return pid, reader
-
-
-def run_forked(function, *args):
-    """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it failed)."""
-    pid, reader = fork_json(function, *args)
-    with os.fdopen(reader, encoding="utf-8") as pipe:
-        text = pipe.read()
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if code != 0:
-        raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
-    return json.loads(text)
-
-
-def _revive(name, state):
-    run = Run(name, state.get("dir", ""))
-    run.__dict__.update(state)
-    run.events = [tuple(event) for event in run.events]
-    return run
-
-
 # --- article 1: reliability.py --------------------------------------------------------
-
-def _open(run, name):
-    return reliability.connect(os.path.join(run.root, name))
-
-
-@contextlib.contextmanager
-def reader(path):
-    """A read-only connection for the observer: it sees what was committed, and its close
-    never checkpoints, so observing does not change how the next process finds the files."""
-    connection = sqlite3.connect("file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-                                 + "?mode=ro", uri=True, isolation_level=None)
-    try:
-        yield connection
-    finally:
-        connection.close()
-
-
-def observe(run, stage, exit_codes=()):
-    """Record what the three databases hold now for the scenario's request."""
-    seen = {}
-    for name in reliability.KINDS:
-        with reader(os.path.join(run.root, name)) as connection:
-            seen[name] = reliability.snapshot(connection)
-    rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
-    row = rows[0] if rows else {"state": "absent", "attempts": 0, "response": None}
-    observation = {
-        "sender_state": row["state"], "attempts": row["attempts"],
-        "intent_rows": seen[reliability.SENDER]["intent_rows"],
-        "receiver_tickets": seen[reliability.RECEIVER]["tickets"],
-        "receiver_receipts": seen[reliability.RECEIVER]["receipts"],
-        "external_tickets": seen[reliability.EXTERNAL]["tickets"],
-        "response": row["response"], "exit_codes": list(exit_codes),
-    }
-    run.stages[stage] = observation
-    run.log("observer", f"{stage}: sender {row['state']} (attempts {row['attempts']}), "
-            f"receiver tickets {observation['receiver_tickets']}, receipts {observation['receiver_receipts']}, "
-            f"external tickets {observation['external_tickets']}")
-    return observation
-
-
-def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
-    """The intent; modes "naive" and "mark_before" are idempotent intents that an UNSAFE
-    receiver or an UNSAFE sender will handle."""
-    connection = _open(run, reliability.SENDER)
-    try:
-        status = reliability.enqueue(connection, CALLER, KEY, payload, now=0,
-                                     mode="external" if mode == "external" else "idempotent")
-    finally:
-        connection.close()
-    run.mode = mode
-    run.log(lane, f"enqueue {KEY} ({mode}): {status}, intent and outbox row committed together")
-    return status
-
-
-def dispatch(run, now, crash=None, lane="sender"):
-    """The driver as the sender: claim, call the tool child (dying at ``crash``), record;
-    returns the child's exit codes."""
-    connection = _open(run, reliability.SENDER)
-    try:
-        result = reliability.dispatch(connection, run.root, now,
-                                      start=tool_launcher(crash, naive=run.mode == "naive"))
-    finally:
-        connection.close()
-    if result is None:
-        run.log(lane, f"tick {now}: nothing due, nothing sent")
-        return []
-    run.log(lane, f"tick {now}: claimed attempt {result['attempt']} and called the tool")
-    if crash:
-        run.log("child", f"tool child ran to {crash} and exited {result['exit_code']}")
-        run.inject(f"{crash} (exit {result['exit_code']})")
-    else:
-        run.log("child", f"tool child answered and exited {result['exit_code']}")
-    response = result["response"]
-    answer = ("no valid response" if not response else f"a refusal ({response['error']})" if "error" in response
-              else f"ticket {response['ticket_id']}")
-    run.log(lane, f"got {answer}, {'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
-    return [result["exit_code"]]
-
-
-def sender_child(run, *args, crash):
-    """A sender that dies for real: the module's own CLI in a child process, --crash at a boundary."""
-    code, _ = run_child("reliability.py", args[0], run.root, *args[1:], "--crash", crash)
-    run.log("sender", f"sender process ran {args[0]} to {crash} and exited {code}")
-    run.inject(f"{crash} (exit {code})")
-    return [code]
-
-
-def lost_ack(run, mode):
-    enqueue(run, mode)
-    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
-    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
-    run.expect("exit code of the receiver", run.stages["after_lost_ack"]["exit_codes"], [reliability.CRASH_EXIT])
-    run.expect("sender state", (final["sender_state"], final["attempts"]), ("done", 2))
-    return final
-
+# Each scenario crashes a real process at a named boundary, recovers in a new one from
+# what was committed, and records what the three databases hold at each stage.  A
+# scenario may return its console line's figures; summary() says the rest.
 
 @scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a second ticket",
           cell=("after_receiver_commit", "naive"))
@@ -611,33 +109,16 @@ def idempotent_lost_ack(run):
     run.expect("replayed ticket id", final["response"]["ticket_id"], 1)
 
 
-def recover_once(run, first):
-    """After a sender-side crash: a new process retries enqueue with the same key, then delivers."""
-    status = enqueue(run, lane="recovery")
-    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
-    run.expect("exit code", first["exit_codes"], [reliability.CRASH_EXIT])
-    run.expect("outcome", (final["sender_state"], final["intent_rows"], final["receiver_tickets"]), ("done", 1, 1))
-    return status
-
-
 @scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once",
           cell=("before_intent_commit", "idempotent"))
 def before_intent_commit(run):
-    enqueue_crash(run, "before_intent_commit", kept=("absent", 0), retry="accepted")
+    enqueue_crash(run, "before_intent_commit", kept=(None, 0), retry="accepted")
 
 
 @scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row",
           cell=("after_intent_commit", "idempotent"))
 def after_intent_commit(run):
     enqueue_crash(run, "after_intent_commit", kept=("pending", 1), retry="duplicate")
-
-
-def enqueue_crash(run, boundary, kept, retry):
-    """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's answer."""
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
-                                                     crash=boundary))
-    run.expect("what the crash kept", (first["sender_state"], first["intent_rows"]), kept)
-    run.expect("retry status", recover_once(run, first), retry)
 
 
 @scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers",
@@ -698,41 +179,46 @@ def mismatched_payload(run):
     enqueue(run)
     observe(run, "after_delivery", dispatch(run, 0))
     changed = dict(PAYLOAD, title="A different ticket")
+    launch = tool_launcher(run)
     answer, code = reliability.call_tool(run.root, {"caller": CALLER, "key": KEY, "mode": "idempotent",
-                                                    "payload": changed, "issued_at": 0, "now": 0}, start=start_tool)
+                                                    "payload": changed, "issued_at": 0, "now": 0}, start=launch)
+    heard(launch.started, "child")
     run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
     run.inject("same key, other payload")
     final = observe(run, "after_mismatch", [code])
     run.stages["after_mismatch"]["refusal"] = answer.get("error")
     run.expect("refusal", answer.get("error"), "conflict")
     run.expect("ticket unchanged", (final["receiver_tickets"], final["response"]["ticket_id"]), (1, 1))
+    return f"same key, other payload: {answer.get('error')}; {summary(run)}"
 
 
 @scenario("article_1", "8 processes race to claim; a stale attempt's acknowledgement is refused")
 def concurrent_claim(run):
     enqueue(run)
-    children = start_batch([("reliability.py", "claim", run.root, "--now", 0)] * 8)
-    claims = [finish(child) for child in children]
-    winners = [json.loads(lines[-1]) for _, lines in claims if lines and lines[-1] != "null"]
-    run.inject("8 claimer processes, a late ack from attempt 1")
+    with batch(run, [("reliability.py", "claim", run.root, "--now", 0, "--wait")] * 8) as children:
+        released, claims = race(children)
+    winners = [line for line in claims if line["status"] == "claimed"]
+    run.inject("8 claimer processes released together, a late ack from attempt 1")
     run.log("sender", f"8 claimer processes at tick 0: {len(winners)} won attempt "
             f"{[w['attempt'] for w in winners]}")
-    observe(run, "after_race", sorted(code for code, _ in claims))
+    observe(run, "after_race", [child.returncode for child in children])["released_together"] = released
     connection = _open(run, reliability.SENDER)
     try:
         current = reliability.claim(connection, 11)
     finally:
         connection.close()
     run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
-    code, stale = run_child("reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1, "--now", 11)
-    run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement "
-            f"{'accepted' if stale['acknowledged'] else 'refused'}")
+    code, stale = run_child(run, "reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1, "--now", 11)
+    refused = "refused" if not stale["acknowledged"] else "accepted"
+    run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement {refused}")
     observe(run, "after_stale_ack", [code])
     connection = _open(run, reliability.SENDER)
+    launch = tool_launcher(run)
     try:
-        result = reliability.deliver(connection, run.root, current, start=start_tool)
+        result = reliability.deliver(connection, run.root, current, start=launch)
     finally:
         connection.close()
+        heard(launch.started, "child")
     run.log("recovery", f"attempt {current['attempt']} delivers: ticket {result['response']['ticket_id']}, "
             f"{'recorded done' if result['acknowledged'] else 'refused'}")
     final = observe(run, "after_recovery", [result["exit_code"]])
@@ -741,30 +227,24 @@ def concurrent_claim(run):
     run.expect("winners", len(winners), 1)
     run.expect("stale acknowledgement", stale["acknowledged"], False)
     run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+    return f"{len(winners)} of 8 claimers won; attempt 1's late acknowledgement {refused}; {summary(run)}"
 
 
 @scenario("article_1", "8 receiver processes get the same request: one ticket, one receipt, one answer")
 def concurrent_receiver(run):
-    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD, "issued_at": 0, "now": 0}) + "\n"
+    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD, "issued_at": 0, "now": 0})
     database = os.path.join(run.root, reliability.RECEIVER)
     observe(run, "before_race")
-    children = start_batch([("reliability.py", "serve", "receive", database)] * 8)
-    for child in children:  # all eight are started before any gets its request: they really race
-        child.send(request)
-    results = [finish(child) for child in children]
-    responses = {lines[-1] for _, lines in results if lines}
+    with batch(run, [("reliability.py", "serve", "receive", database, "--wait")] * 8) as children:
+        released, answers = race(children, request)
+    responses = {json.dumps(answer, sort_keys=True) for answer in answers}
     run.log("child", f"8 receiver processes answered with {len(responses)} distinct response(s)")
-    run.inject("8 receiver processes, one request")
-    final = observe(run, "after_race", sorted(code for code, _ in results))
-    final["distinct_responses"] = len(responses)
+    run.inject("8 receiver processes released together, one request")
+    final = observe(run, "after_race", [child.returncode for child in children])
+    final.update(distinct_responses=len(responses), released_together=released)
     run.expect("outcome", (final["receiver_tickets"], final["receiver_receipts"], len(responses)), (1, 1, 1))
-
-
-def external_crash(run, boundary):
-    enqueue(run, "external")
-    first = observe(run, "after_crash", dispatch(run, 0, boundary))
-    run.expect("unknown, not retried", first["sender_state"], "unknown")
-    return first
+    return (f"8 receivers, one request: {final['receiver_tickets']} ticket, {final['receiver_receipts']} receipt, "
+            f"{len(responses)} distinct answer")
 
 
 @scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry",
@@ -787,28 +267,124 @@ def after_external_effect(run):
 def unsafe_external_retry(run):
     external_crash(run, "after_external_effect")
     connection = _open(run, reliability.SENDER)
+    launch = tool_launcher(run)
     try:
-        answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY, start=start_tool)
+        answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY, start=launch)
     finally:
         connection.close()
+        heard(launch.started, "child")
     run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket {answer['ticket_id']}")
     run.inject("forced retry")
     final = observe(run, "after_unsafe_retry", [code])
     run.expect("duplicate", final["external_tickets"], 2)
 
 
+# --- what article 1's scenarios call ------------------------------------------------
+
+def lost_ack(run, mode):
+    enqueue(run, mode)
+    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("exit code of the receiver", run.stages["after_lost_ack"]["exit_codes"], [reliability.CRASH_EXIT])
+    run.expect("sender state", (final["sender_state"], final["attempts"]), ("done", 2))
+    return final
+
+
+def enqueue_crash(run, boundary, kept, retry):
+    """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's
+    answer; then a new process retries enqueue with the same key, as the upstream caller would, and delivers."""
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
+                                                     crash=boundary))
+    run.expect("what the crash kept", (first["sender_state"], first["intent_rows"]), kept)
+    status = enqueue(run, lane="recovery")
+    final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
+    run.expect("exit code", first["exit_codes"], [reliability.CRASH_EXIT])
+    run.expect("outcome", (final["sender_state"], final["intent_rows"], final["receiver_tickets"]), ("done", 1, 1))
+    run.expect("retry status", status, retry)
+
+
+def external_crash(run, boundary):
+    enqueue(run, "external")
+    first = observe(run, "after_crash", dispatch(run, 0, boundary))
+    run.expect("unknown, not retried", first["sender_state"], "unknown")
+    return first
+
+
+def _open(run, name):
+    return reliability.connect(os.path.join(run.root, name))
+
+
+def observe(run, stage, exit_codes=()):
+    """Record what the three databases hold now for the scenario's request (state None: no outbox row)."""
+    seen = {}
+    for name in reliability.KINDS:
+        with reader(os.path.join(run.root, name)) as connection:
+            seen[name] = reliability.snapshot(connection)
+    rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
+    row = rows[0] if rows else {"state": None, "attempts": 0, "response": None}
+    observation = {
+        "sender_state": row["state"], "attempts": row["attempts"],
+        "intent_rows": seen[reliability.SENDER]["intent_rows"],
+        "receiver_tickets": seen[reliability.RECEIVER]["tickets"],
+        "receiver_receipts": len(seen[reliability.RECEIVER]["receipts"]),
+        "external_tickets": len(seen[reliability.EXTERNAL]["tickets"]),
+        "response": row["response"], "exit_codes": list(exit_codes),
+    }
+    run.stages[stage] = observation
+    run.log("observer", f"{stage}: sender {row['state'] or 'has no row'} (attempts {row['attempts']}), "
+            f"receiver tickets {observation['receiver_tickets']}, receipts {observation['receiver_receipts']}, "
+            f"external tickets {observation['external_tickets']}")
+    return observation
+
+
+def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
+    """The intent; modes "naive" and "mark_before" are idempotent intents that an UNSAFE
+    receiver or an UNSAFE sender will handle."""
+    connection = _open(run, reliability.SENDER)
+    try:
+        status = reliability.enqueue(connection, CALLER, KEY, payload, now=0,
+                                     mode="external" if mode == "external" else "idempotent")
+    finally:
+        connection.close()
+    run.mode = mode
+    run.log(lane, f"enqueue {KEY} ({mode}): {status}, intent and outbox row committed together")
+    return status
+
+
+def dispatch(run, now, crash=None, lane="sender"):
+    """The driver as the sender: claim, call the tool child (dying at ``crash``), record;
+    returns the child's exit codes."""
+    connection = _open(run, reliability.SENDER)
+    launch, result = tool_launcher(run, crash, naive=run.mode == "naive"), None
+    try:
+        result = reliability.dispatch(connection, run.root, now, start=launch)
+    finally:
+        connection.close()
+        if result is not None:
+            run.log(lane, f"tick {now}: claimed attempt {result['attempt']} and called the tool")
+        heard(launch.started, "child")  # what the tool child said, a crash included
+    if result is None:
+        run.log(lane, f"tick {now}: nothing due, nothing sent")
+        return []
+    if crash:
+        run.inject(f"{crash} (exit {result['exit_code']})")
+    run.log("child", f"tool child exited {result['exit_code']}")
+    response = result["response"]
+    answer = ("no valid response" if not response else f"a refusal ({response['error']})" if "error" in response
+              else f"ticket {response['ticket_id']}")
+    run.log(lane, f"got {answer}, {'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
+    return [result["exit_code"]]
+
+
+def sender_child(run, *args, crash):
+    """A sender that dies for real: the module's own CLI in a child process, --crash at a boundary."""
+    code, _ = run_child(run, "reliability.py", args[0], run.root, *args[1:], "--crash", crash)
+    run.log("sender", f"sender process ran {args[0]} to {crash} and exited {code}")
+    run.inject(f"{crash} (exit {code})")
+    return [code]
+
+
 # --- beyond article 1: leaving unknown, and receipts that are not kept forever --------
-
-def _with_connections(run, *names):
-    """Open the named databases of the scenario's root (closed again by the caller's with)."""
-    stack = contextlib.ExitStack()
-    connections = []
-    for name in names:
-        connection = _open(run, name)
-        stack.callback(connection.close)
-        connections.append(connection)
-    return stack, connections
-
 
 @scenario("open_ends", "unknown after the tool acted: the tool's own records settle it as done, no second call")
 def reconcile_found(run):
@@ -865,18 +441,6 @@ def manual_resolution(run):
     run.expect("audit", (len(audit), rewrite), (1, "refused"))
 
 
-def late_replay(run, purge):
-    enqueue(run)
-    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
-    stack, (receiver,) = _with_connections(run, reliability.RECEIVER)
-    with stack:
-        purged = purge(receiver)
-    run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
-    run.inject("purge" if "low_water" in purged else "receipts deleted")
-    observe(run, "after_purge")
-    return observe(run, "after_late_replay", dispatch(run, 100, lane="recovery"))
-
-
 @scenario("open_ends", "receipts purged with a low-water mark: the late replay is refused as expired, 1 ticket")
 def late_replay_after_purge(run):
     final = late_replay(run, lambda receiver: reliability.purge(receiver, 100, 50))
@@ -890,7 +454,197 @@ def late_replay_without_policy(run):
     run.expect("duplicated", (final["sender_state"], final["receiver_tickets"]), ("done", 2))
 
 
+def late_replay(run, purge):
+    enqueue(run)
+    observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
+    stack, (receiver,) = _with_connections(run, reliability.RECEIVER)
+    with stack:
+        purged = purge(receiver)
+    run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
+    run.inject("purge" if "low_water" in purged else "receipts deleted")
+    observe(run, "after_purge")
+    return observe(run, "after_late_replay", dispatch(run, 100, lane="recovery"))
+
+
+def _with_connections(run, *names):
+    """Open the named databases of the scenario's root (closed again by the caller's with)."""
+    stack = contextlib.ExitStack()
+    connections = []
+    for name in names:
+        connection = _open(run, name)
+        stack.callback(connection.close)
+        connections.append(connection)
+    return stack, connections
+
+
 # --- article 7: preconditions.py ---------------------------------------------------------
+# The article's initial state, A = 10 and B = 0 at revision 1, and its plan: 3 from A to B.
+
+@scenario("article_7", "unsafe check-then-act: the plan is checked, B changes, the old plan is applied")
+def unsafe_check_then_act(run):
+    transfer_start(run)
+    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1", json.dumps(PLAN))
+    final = transfer_state(run, "after_go", status=result["status"], exit_code=code)
+    run.expect("handshake", ready, "READY")
+    run.expect("the bug", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
+
+
+@scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
+def safe_stale_rejected(run):
+    transfer_start(run)
+    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0, "--wait")
+    final = transfer_state(run, "after_go", status=result["status"], observed=result.get("observed"),
+                           exit_code=code)
+    run.expect("handshake", ready, "READY")
+    run.expect("stale", (result["status"], result.get("observed")), ("stale", {"A": 1, "B": 2}))
+    run.expect("nothing moved", (final["quantities"], final["effects"]), ({"A": 10, "B": 2}, 0))
+
+
+@scenario("article_7", "applied, reply lost: the identical retry is replayed, not stale")
+def lost_ack_replay(run):
+    transfer_start(run)
+    first = execute(run, "job-1")
+    transfer_state(run, "after_first", status=first["status"])
+    run.inject("first reply discarded")
+    retry = execute(run, "job-1", lane="retry")
+    final = transfer_state(run, "after_retry", status=retry["status"], result=retry.get("result"))
+    run.expect("statuses", (first["status"], retry["status"]), ("applied", "replayed"))
+    run.expect("history returned", retry.get("result"), first)
+    run.expect("one effect", (final["revisions"], final["effects"]), ({"A": 2, "B": 2}, 1))
+    return f"{first['status']}, then the same op {retry['status']}: {summary(run)}"
+
+
+@scenario("article_7", "after stale, a refreshed plan under the old ID is conflict; under a new ID it applies")
+def replan_new_id(run):
+    transfer_start(run)
+    change(run, "B", 2)
+    first = execute(run, "job-1")
+    transfer_state(run, "after_stale", status=first["status"], observed=first.get("observed"))
+    replanned = dict(PLAN, expected=first["observed"])
+    same_id = execute(run, "job-1", replanned, lane="planner")
+    transfer_state(run, "after_same_id", status=same_id["status"])
+    new_id = execute(run, "job-2", replanned, lane="planner")
+    final = transfer_state(run, "after_new_id", status=new_id["status"])
+    run.expect("statuses", (first["status"], same_id["status"], new_id["status"]), ("stale", "conflict", "applied"))
+    run.expect("one effect", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
+    return (f"{first['status']}; the new plan under job-1 {same_id['status']}, under job-2 {new_id['status']}: "
+            f"{summary(run)}")
+
+
+@scenario("article_7", "ABA: A goes 10 -> 9 -> 10, its revision is 3, the old plan is stale")
+def aba_revision(run):
+    transfer_start(run)
+    change(run, "A", -1)
+    change(run, "A", 1)
+    result = execute(run, "job-1")
+    final = transfer_state(run, "after_execute", status=result["status"], observed=result.get("observed"))
+    run.expect("A looks unchanged", (final["quantities"]["A"], final["revisions"]["A"]), (10, 3))
+    run.expect("stale", (result["status"], final["effects"]), ("stale", 0))
+    return f"A = {final['quantities']['A']} again but at revision {final['revisions']['A']}: {summary(run)}"
+
+
+@scenario("article_7", "os._exit at three boundaries (71, 72, 73); each retry from a new process")
+def crash_points(run):
+    for boundary in preconditions.EXIT_CODES:
+        run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
+        transfer_start(run)
+        code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+                            "--crash", boundary)
+        run.log("executor", f"child ran to {boundary} and exited {code}")
+        run.inject(f"{boundary} (exit {code})")
+        crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
+        retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
+                                      "--now", 0)
+        run.log("retry", f"new process retries job-1: {retry['status']}")
+        final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"], exit_code=retry_code)
+        run.expect(f"{boundary} exit code", code, preconditions.EXIT_CODES[boundary])
+        committed = boundary == "after_commit"
+        run.expect(f"{boundary} survivors", (crashed["quantities"], crashed["effects"], crashed["receipts"]),
+                   ({"A": 7, "B": 3}, 1, 1) if committed else ({"A": 10, "B": 0}, 0, 0))
+        run.expect(f"{boundary} retry", (retry["status"], final["effects"]),
+                   ("replayed" if committed else "applied", 1))
+    retries = [run.stages[f"{b}.after_retry"]["status"] for b in preconditions.EXIT_CODES]
+    return f"retries after 71, 72, 73: {', '.join(retries)}; {summary(run)}"
+
+
+@scenario("article_7", "a stale rejection is committed, then the child exits; the retry reads it back")
+def stale_rejection_durable(run):
+    transfer_start(run)
+    change(run, "B", 2)
+    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+                        "--crash", "after_commit")
+    run.log("executor", f"child stored its stale rejection and exited {code}")
+    run.inject(f"after_commit (exit {code})")
+    transfer_state(run, "after_crash", exit_code=code)
+    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
+    stored = retry.get("result", {}).get("status")
+    run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
+    final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored, exit_code=retry_code)
+    run.expect("exit code", code, preconditions.EXIT_CODES["after_commit"])
+    run.expect("replayed rejection", (retry["status"], stored, final["effects"]), ("replayed", "stale", 0))
+    return f"{stored} stored, then exit {code}; the retry: {retry['status']} {stored}; {summary(run)}"
+
+
+@scenario("article_7", "test-only triggers abort the destination update, then the receipt: nothing half-applied")
+def trigger_faults(run):
+    transfer_start(run)
+    triggers = {
+        "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B'"
+                              " BEGIN SELECT RAISE(ABORT, 'injected destination fault'); END",
+        "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipt"
+                          " BEGIN SELECT RAISE(ABORT, 'injected receipt fault'); END",
+    }
+    for where, sql in triggers.items():
+        connection = preconditions.connect(run.db)
+        try:
+            connection.execute(sql)
+            try:
+                preconditions.execute(connection, "job-1", PLAN, issued_at=0, now=0)
+                error = None
+            except sqlite3.DatabaseError as caught:
+                error = type(caught).__name__
+            connection.execute("DROP TRIGGER fault")
+        finally:
+            connection.close()
+        run.log("parent", f"trigger on {where}: execute raised {error}")
+        run.inject(f"trigger on {where}")
+        final = transfer_state(run, f"{where}_fault", error=error)
+        run.expect(f"{where} raised", error is not None, True)
+        run.expect(f"{where} nothing half-applied", (final["quantities"], final["revisions"], final["effects"],
+                                                     final["receipts"]),
+                   ({"A": 10, "B": 0}, {"A": 1, "B": 1}, 0, 0))
+    errors = [run.stages[f"{where}_fault"]["error"] for where in triggers]
+    return f"both faults raised {', '.join(map(str, errors))}, nothing half-applied: {summary(run)}"
+
+
+@scenario("article_7", "16 different IDs with the same snapshot from 8 threads: 1 applied, 15 stale")
+def concurrent_distinct_ops(run):
+    transfer_start(run)
+    race = threaded(run, [f"job-{i}" for i in range(16)])
+    final = transfer_state(run, "after_race", **race)
+    run.expect("statuses", race["statuses"], {"applied": 1, "stale": 15})
+    run.expect("one effect", final["effects"], 1)
+
+
+@scenario("article_7", "16 submissions of one ID from 8 threads: 1 applied, 15 replayed")
+def concurrent_same_op(run):
+    transfer_start(run)
+    race = threaded(run, ["job-1"] * 16)
+    final = transfer_state(run, "after_race", **race)
+    run.expect("statuses", race["statuses"], {"applied": 1, "replayed": 15})
+    run.expect("one effect", final["effects"], 1)
+
+
+@scenario("article_7", "counterexample: C changes but the plan declared only A and B, so it applies")
+def undeclared_dependency(run):
+    transfer_start(run, A=10, B=0, C=5)
+    change(run, "C", -1)
+    result = execute(run, "job-1")
+    final = transfer_state(run, "after_execute", status=result["status"])
+    run.expect("applies", (result["status"], final["quantities"]), ("applied", {"A": 7, "B": 3, "C": 4}))
+
+
+# --- what article 7's scenarios call ----------------------------------------------
 
 def transfer_state(run, stage, **extra):
     """Record quantities, revisions, effects and receipts of the transfer database now."""
@@ -938,156 +692,30 @@ def change(run, name, delta, lane="parent", inject=True):
 
 def paused_child(run, *args):
     """READY/GO over pipes: the child stops where it says READY until the parent has written."""
-    child = start("preconditions.py", *args)
-    try:
+    with batch(run, [("preconditions.py", *args)]) as (child,):
         ready = child.readline().strip()
         run.log("executor", f"child says {ready}")
         run.inject("B +2 between READY and GO")
         change(run, "B", 2, inject=False)
         code, lines = finish(child, "GO\n")
-    except BaseException:
-        child.kill()
-        child.communicate()
-        raise
     result = json.loads(lines[-1])
     run.log("executor", f"GO: child finished with {result['status']} and exited {code}")
     return ready, code, result
 
 
-@scenario("article_7", "unsafe check-then-act: the plan is checked, B changes, the old plan is applied")
-def unsafe_check_then_act(run):
-    transfer_start(run)
-    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1", json.dumps(PLAN))
-    final = transfer_state(run, "after_go", status=result["status"], exit_code=code)
-    run.expect("handshake", ready, "READY")
-    run.expect("the bug", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
-
-
-@scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
-def safe_stale_rejected(run):
-    transfer_start(run)
-    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0, "--wait")
-    final = transfer_state(run, "after_go", status=result["status"], observed=result.get("observed"),
-                           exit_code=code)
-    run.expect("handshake", ready, "READY")
-    run.expect("stale", (result["status"], result.get("observed")), ("stale", {"A": 1, "B": 2}))
-    run.expect("nothing moved", (final["quantities"], final["effects"]), ({"A": 10, "B": 2}, 0))
-
-
-@scenario("article_7", "applied, reply lost: the identical retry is replayed, not stale")
-def lost_ack_replay(run):
-    transfer_start(run)
-    first = execute(run, "job-1")
-    transfer_state(run, "after_first", status=first["status"])
-    run.inject("first reply discarded")
-    retry = execute(run, "job-1", lane="retry")
-    final = transfer_state(run, "after_retry", status=retry["status"], result=retry.get("result"))
-    run.expect("statuses", (first["status"], retry["status"]), ("applied", "replayed"))
-    run.expect("history returned", retry.get("result"), first)
-    run.expect("one effect", (final["revisions"], final["effects"]), ({"A": 2, "B": 2}, 1))
-
-
-@scenario("article_7", "after stale, a refreshed plan under the old ID is conflict; under a new ID it applies")
-def replan_new_id(run):
-    transfer_start(run)
-    change(run, "B", 2)
-    first = execute(run, "job-1")
-    transfer_state(run, "after_stale", status=first["status"], observed=first.get("observed"))
-    replanned = dict(PLAN, expected=first["observed"])
-    same_id = execute(run, "job-1", replanned, lane="planner")
-    transfer_state(run, "after_same_id", status=same_id["status"])
-    new_id = execute(run, "job-2", replanned, lane="planner")
-    final = transfer_state(run, "after_new_id", status=new_id["status"])
-    run.expect("statuses", (first["status"], same_id["status"], new_id["status"]), ("stale", "conflict", "applied"))
-    run.expect("one effect", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
-
-
-@scenario("article_7", "ABA: A goes 10 -> 9 -> 10, its revision is 3, the old plan is stale")
-def aba_revision(run):
-    transfer_start(run)
-    change(run, "A", -1)
-    change(run, "A", 1)
-    result = execute(run, "job-1")
-    final = transfer_state(run, "after_execute", status=result["status"], observed=result.get("observed"))
-    run.expect("A looks unchanged", (final["quantities"]["A"], final["revisions"]["A"]), (10, 3))
-    run.expect("stale", (result["status"], final["effects"]), ("stale", 0))
-
-
-@scenario("article_7", "os._exit at three boundaries (71, 72, 73); each retry from a new process")
-def crash_points(run):
-    for boundary in preconditions.EXIT_CODES:
-        run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
-        transfer_start(run)
-        code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
-                            "--crash", boundary)
-        run.log("executor", f"child ran to {boundary} and exited {code}")
-        run.inject(f"{boundary} (exit {code})")
-        crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
-        retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
-        run.log("retry", f"new process retries job-1: {retry['status']}")
-        final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"], exit_code=retry_code)
-        run.expect(f"{boundary} exit code", code, preconditions.EXIT_CODES[boundary])
-        committed = boundary == "after_commit"
-        run.expect(f"{boundary} survivors", (crashed["quantities"], crashed["effects"], crashed["receipts"]),
-                   ({"A": 7, "B": 3}, 1, 1) if committed else ({"A": 10, "B": 0}, 0, 0))
-        run.expect(f"{boundary} retry", (retry["status"], final["effects"]),
-                   ("replayed" if committed else "applied", 1))
-
-
-@scenario("article_7", "a stale rejection is committed, then the child exits; the retry reads it back")
-def stale_rejection_durable(run):
-    transfer_start(run)
-    change(run, "B", 2)
-    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
-                        "--crash", "after_commit")
-    run.log("executor", f"child stored its stale rejection and exited {code}")
-    run.inject(f"after_commit (exit {code})")
-    transfer_state(run, "after_crash", exit_code=code)
-    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
-    stored = retry.get("result", {}).get("status")
-    run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
-    final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored, exit_code=retry_code)
-    run.expect("exit code", code, preconditions.EXIT_CODES["after_commit"])
-    run.expect("replayed rejection", (retry["status"], stored, final["effects"]), ("replayed", "stale", 0))
-
-
-@scenario("article_7", "test-only triggers abort the destination update, then the receipt: nothing half-applied")
-def trigger_faults(run):
-    transfer_start(run)
-    triggers = {
-        "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B'"
-                              " BEGIN SELECT RAISE(ABORT, 'injected destination fault'); END",
-        "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipt"
-                          " BEGIN SELECT RAISE(ABORT, 'injected receipt fault'); END",
-    }
-    for where, sql in triggers.items():
-        connection = preconditions.connect(run.db)
-        try:
-            connection.execute(sql)
-            try:
-                preconditions.execute(connection, "job-1", PLAN, issued_at=0, now=0)
-                error = None
-            except sqlite3.DatabaseError as caught:
-                error = type(caught).__name__
-            connection.execute("DROP TRIGGER fault")
-        finally:
-            connection.close()
-        run.log("parent", f"trigger on {where}: execute raised {error}")
-        run.inject(f"trigger on {where}")
-        final = transfer_state(run, f"{where}_fault", error=error)
-        run.expect(f"{where} raised", error is not None, True)
-        run.expect(f"{where} nothing half-applied", (final["quantities"], final["revisions"], final["effects"],
-                                                     final["receipts"]),
-                   ({"A": 10, "B": 0}, {"A": 1, "B": 1}, 0, 0))
-
-
 def race_in_threads(db, ops):
-    """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan."""
-    statuses, lock = [], threading.Lock()
+    """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan.
+
+    They start together: each waits at a barrier until all 8 have connected.  Returns the
+    statuses counted, and how many threads the barrier released together.
+    """
+    statuses, released, lock = [], [], threading.Lock()
+    barrier = threading.Barrier(8, timeout=WATCHDOG)  # the time-out only stops a hung run
 
     def worker(mine):
         connection = preconditions.connect(db)
         try:
+            released.append(barrier.wait())  # each thread gets its own index 0..7
             for op in mine:
                 status = preconditions.execute(connection, op, PLAN, issued_at=0, now=0)["status"]
                 with lock:
@@ -1100,46 +728,19 @@ def race_in_threads(db, ops):
         thread.start()
     for thread in threads:
         thread.join()
-    return {status: statuses.count(status) for status in sorted(set(statuses))}
+    return {"statuses": {status: statuses.count(status) for status in sorted(set(statuses))},
+            "released_together": len(set(released))}
 
 
 def threaded(run, ops):
     """The race in threads, run in a process of its own where fork is used: a process
     that has had threads must not fork again (Python 3.12 warns, and rightly)."""
-    if not USE_FORK:
-        counts = race_in_threads(run.db, ops)
-    else:
-        counts = run_forked(race_in_threads, run.db, ops)
-    run.log("parent", f"8 threads, {len(ops)} submissions: {counts}")
-    run.inject(f"8 threads, {len(ops)} submissions")
-    return counts
-
-
-@scenario("article_7", "16 different IDs with the same snapshot from 8 threads: 1 applied, 15 stale")
-def concurrent_distinct_ops(run):
-    transfer_start(run)
-    counts = threaded(run, [f"job-{i}" for i in range(16)])
-    final = transfer_state(run, "after_race", statuses=counts)
-    run.expect("statuses", counts, {"applied": 1, "stale": 15})
-    run.expect("one effect", final["effects"], 1)
-
-
-@scenario("article_7", "16 submissions of one ID from 8 threads: 1 applied, 15 replayed")
-def concurrent_same_op(run):
-    transfer_start(run)
-    counts = threaded(run, ["job-1"] * 16)
-    final = transfer_state(run, "after_race", statuses=counts)
-    run.expect("statuses", counts, {"applied": 1, "replayed": 15})
-    run.expect("one effect", final["effects"], 1)
-
-
-@scenario("article_7", "counterexample: C changes but the plan declared only A and B, so it applies")
-def undeclared_dependency(run):
-    transfer_start(run, A=10, B=0, C=5)
-    change(run, "C", -1)
-    result = execute(run, "job-1")
-    final = transfer_state(run, "after_execute", status=result["status"])
-    run.expect("applies", (result["status"], final["quantities"]), ("applied", {"A": 7, "B": 3, "C": 4}))
+    race = race_in_threads(run.db, ops) if not USE_FORK else run_forked(race_in_threads, run.db, ops)
+    run.log("parent", f"8 threads released together ({race['released_together']} at the barrier), "
+            f"{len(ops)} submissions: {race['statuses']}")
+    run.inject(f"8 threads released together, {len(ops)} submissions")
+    run.expect("threads released together by the barrier", race["released_together"], 8)
+    return race
 
 
 # --- the crash matrix: every boundary of both modules, every mode it applies to -------
@@ -1199,10 +800,10 @@ def transfer_cell(run, boundary, kind):
     transfer_start(run)
     if kind == "stale":
         change(run, "B", 2)
-    code, _ = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
+    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
                         "--crash", boundary)
     crashed = transfer_state(run, f"{kind}.crashed")
-    retry_code, retry = run_child("preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
+    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
     stored = retry.get("result", retry)["status"]
     final = transfer_state(run, f"{kind}.retried")
     del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
@@ -1588,6 +1189,473 @@ def print_torture(summary):
         print(f"    ... and {len(violations) - TORTURE_SHOWN} more")
 
 
+# --- one scenario run ---------------------------------------------------------------
+
+class Run:
+    """A scenario's directory, its observed stages, its invariant failures and its timeline."""
+
+    def __init__(self, name, directory):
+        self.name, self.dir = name, directory
+        self.root = directory  # reliability's three databases live here
+        self.db = os.path.join(directory, "transfer.db")  # preconditions' database
+        self.stages, self.failures, self.events, self.integrity, self.injected = {}, [], [], {}, []
+        self.mode = None  # the delivery mode of the scenario's request, for its summary
+        self.headline = None  # what the scenario says on its console line, if it says more than summary()
+        self.spawned = 0  # children started, for the names of the files their stderr goes to
+
+    def log(self, lane, text):
+        self.events.append((lane, text))
+
+    def inject(self, text):
+        """Name a fault or an interleaving this run really caused, for its one-line summary."""
+        if text not in self.injected:
+            self.injected.append(text)
+
+    def expect(self, label, observed, expected):
+        if observed != expected:
+            self.failures.append(f"{label}: expected {expected!r}, observed {observed!r}")
+
+
+def run_scenario(name, base):
+    article, _, function = SCENARIOS[name]
+    directory = tempfile.mkdtemp(prefix=name.replace("/", "-") + "-", dir=base)
+    run = Run(name, directory)
+    run.template = os.path.join(base, "template")
+    try:
+        if article in ("article_1", "open_ends"):
+            # A copy of databases that reliability.init created (and closed) moments ago.
+            fresh_root(run, run.root)
+        run.headline = function(run)
+        check_integrity(run)
+    except Exception as error:  # an invariant of the harness itself broke: report, never hide
+        run.failures.append(f"{type(error).__name__}: {error}")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return run
+
+
+def fresh_root(run, root):
+    """A copy of the three databases that reliability.init created (and closed) moments ago."""
+    os.makedirs(root, exist_ok=True)
+    for database in reliability.KINDS:
+        shutil.copyfile(os.path.join(run.template, database), os.path.join(root, database))
+    run.root = root
+
+
+def check_integrity(run):
+    """After the scenario's crashes, every database it left must pass SQLite's own checks."""
+    for folder, _, files in sorted(os.walk(run.dir)):
+        for path in sorted(os.path.join(folder, name) for name in files if name.endswith(".db")):
+            with reader(path) as connection:  # read-only: the directory goes next, so no checkpoint
+                quick = connection.execute("PRAGMA quick_check").fetchall()
+                keys = connection.execute("PRAGMA foreign_key_check").fetchall()
+            name = os.path.relpath(path, run.dir)
+            run.integrity[name] = "ok" if quick == [("ok",)] and not keys else f"{quick} {keys}"
+            run.expect(f"integrity of {name}", run.integrity[name], "ok")
+
+
+@contextlib.contextmanager
+def reader(path):
+    """A read-only connection for the observer: it sees what was committed, and its close
+    never checkpoints, so observing does not change how the next process finds the files."""
+    connection = sqlite3.connect("file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+                                 + "?mode=ro", uri=True, isolation_level=None)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def run_all(names, jobs=JOBS):
+    """Run scenarios and return their Runs in the order of ``names``."""
+    return collect(start_all(names, jobs))
+
+
+def start_all(names, jobs=JOBS):
+    """Start running scenarios and return at once; collect() waits and returns the Runs.
+
+    With fork, ``jobs`` single-threaded worker processes share the scenarios (each
+    scenario owns its directory and children, so sharing changes no result);
+    otherwise they run here, one after another, before this returns.
+    """
+    pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
+               "workers": [], "runs": None}
+    try:
+        if reliability is not None:
+            reliability.init(os.path.join(pending["base"], "template"))
+        if not USE_FORK or jobs < 2 or len(names) < 2:
+            pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
+        else:
+            for _ in range(min(jobs, len(names))):
+                pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
+    except BaseException:
+        collect(pending)
+        raise
+    return pending
+
+
+def _work(names, base):
+    # Each worker runs the scenarios it is first to claim (one O_EXCL file each), so the
+    # workers finish together however unequal the scenarios are.
+    runs = {}
+    for name in names:
+        try:
+            os.close(os.open(os.path.join(base, "claimed-" + name.replace("/", "-")),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        runs[name] = vars(run_scenario(name, base))
+    return runs
+
+
+def collect(pending):
+    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs."""
+    readers = {reader for _, reader in pending["workers"]}
+    try:
+        if pending["runs"] is None:
+            finished = {}
+            for _, reader in pending["workers"]:
+                readers.discard(reader)
+                with os.fdopen(reader, encoding="utf-8") as pipe:
+                    text = pipe.read()
+                try:
+                    finished.update(json.loads(text))
+                except ValueError:  # the worker died or failed: the scenarios it held say so below
+                    pass
+            lost = {"failures": ["its worker died or failed before reporting (a traceback, if any, is above)"]}
+            pending["runs"] = [_revive(name, finished.get(name, lost)) for name in pending["names"]]
+        return merge_cells(pending["runs"])
+    finally:
+        for reader in readers:  # unread after an error: closing it lets a blocked worker end
+            os.close(reader)
+        for pid, _ in pending["workers"]:  # reaped before the directory goes, whatever happened
+            os.waitpid(pid, 0)
+        pending["workers"] = []
+        shutil.rmtree(pending["base"], ignore_errors=True)
+
+
+def _revive(name, state):
+    run = Run(name, state.get("dir", ""))
+    run.__dict__.update(state)
+    run.events = [tuple(event) for event in run.events]
+    return run
+
+
+# --- processes ----------------------------------------------------------------------
+# A child is a real process either way.  Where os.fork exists, it is forked from this
+# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
+# a few milliseconds instead of a fresh interpreter's ~30 ms.  --exec starts every
+# child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
+
+
+def start(module, *args, run=None):
+    """Start ``module`` (a file name in MODULES) with ``args`` as a child with piped stdin and
+    stdout; with ``run``, what it says on stderr goes to a file of that run, for heard()."""
+    args = [str(arg) for arg in args]
+    said = None
+    if run is not None:
+        run.spawned += 1
+        said = os.path.join(run.dir, f"stderr-{run.spawned}")
+    stderr = None if said is None else os.open(said, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if USE_FORK:
+            child = fork_start(MODULES[module], args, stderr=stderr)
+        else:
+            child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)  # bytes: UTF-8
+            child.readline = lambda: child.stdout.readline().decode("utf-8").rstrip("\n")
+            child.send = lambda text: (child.stdin.write(text.encode("utf-8")), child.stdin.flush())
+    finally:
+        if stderr is not None:
+            os.close(stderr)  # the child has its own copy
+    child.run, child.said = run, said
+    return child
+
+
+def start_tool(argv):
+    """The launcher reliability.call_tool uses where no scenario listens (torture, its recovery)."""
+    return start("reliability.py", *argv)
+
+
+def tool_launcher(run, crash=None, naive=False):
+    """A launcher for reliability.call_tool whose tool child dies at ``crash`` (its own CLI's
+    --crash), or whose receiver is the UNSAFE one without receipts: the sender's protocol is
+    the same either way.  The children it started are in its ``started``, for heard()."""
+    def launch(argv):
+        argv = list(argv)
+        if naive:
+            argv[1] = "unsafe-receive"
+        launch.started.append(start("reliability.py", *argv, *(["--crash", crash] if crash else []), run=run))
+        return launch.started[-1]
+    launch.started = []
+    return launch
+
+
+def heard(children, lane="child"):
+    """Put what finished children of a run said on stderr (a crash, an error) into its timeline."""
+    for child in children:
+        if child.said and os.path.exists(child.said):
+            with open(child.said, encoding="utf-8", errors="replace") as handle:
+                for line in handle.read().splitlines():
+                    child.run.log(lane, line)
+
+
+@contextlib.contextmanager
+def batch(run, commands):
+    """Start a child of ``run`` for each (module, *args); on leaving, whatever happened, any
+    child still running is killed, every one is reaped, and what each said is logged."""
+    children = []
+    try:
+        for command in commands:
+            children.append(start(*command, run=run))
+        yield children
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                child.communicate()
+        heard(children)
+
+
+def race(children, request=None):
+    """Release racing children together: each, given ``request`` (one line), says READY where it
+    stands just before the protocol call, and none gets GO before every one has said it.
+    Returns (how many stood at the barrier, each child's last line as JSON)."""
+    for child in children:
+        if request is not None:
+            child.send(request + "\n")
+    ready = [child.readline() for child in children]  # each blocks until that child stands there
+    if ready != ["READY"] * len(children):
+        raise RuntimeError(f"the racers did not all reach the barrier: {ready}")
+    for child in children:
+        child.send("GO\n")
+    return len(ready), [json.loads(finish(child)[1][-1]) for child in children]
+
+
+def finish(child, stdin_text=None):
+    """Wait for a child (killing it at the watchdog); return (exit code, stdout lines)."""
+    try:
+        output, _ = child.communicate(stdin_text and stdin_text.encode("utf-8"), timeout=WATCHDOG)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
+    return child.wait(), output.decode("utf-8").splitlines()
+
+
+def run_child(run, module, *args, stdin_text=None):
+    """Run one child of ``run`` to its end; (exit code, its last stdout line as JSON or None)."""
+    with batch(run, [(module, *args)]) as (child,):
+        code, lines = finish(child, stdin_text)
+    return code, json.loads(lines[-1]) if lines else None
+
+
+class ForkedChild:
+    """Just enough of subprocess.Popen for a forked child: readline, communicate, kill, wait."""
+
+    def __init__(self, pid, stdin_fd, stdout_fd, args):
+        self.pid, self.args, self.returncode = pid, args, None
+        self._stdin, self._stdout, self._buffer = stdin_fd, stdout_fd, b""
+
+    def _close(self, name):
+        fd = getattr(self, name)
+        if fd is not None:
+            os.close(fd)
+            setattr(self, name, None)
+
+    def _read(self, deadline):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self._stdout], [], [], remaining)[0]:
+            raise subprocess.TimeoutExpired(self.args, WATCHDOG)
+        data = os.read(self._stdout, 65536)
+        if not data:
+            self._close("_stdout")
+        self._buffer += data
+
+    def readline(self, timeout=WATCHDOG):
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer and self._stdout is not None:
+            self._read(deadline)
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode("utf-8")
+
+    def send(self, text):
+        os.write(self._stdin, text.encode("utf-8"))
+
+    def communicate(self, input=None, timeout=None):
+        """Bytes in, bytes out, as a binary subprocess.Popen's."""
+        if self._stdin is not None:
+            try:
+                if input:
+                    os.write(self._stdin, input)  # requests are far below a pipe's buffer
+            except BrokenPipeError:
+                pass  # the child died before reading: its exit code tells
+            self._close("_stdin")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._stdout is not None:
+            self._read(deadline)
+        output, self._buffer = self._buffer, b""
+        self.wait()
+        return output, None
+
+    def kill(self):
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self):
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def fork_start(module, argv, keep=(), stderr=None):
+    """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
+
+    Call it only while this process holds no SQLite connection to a file the child
+    opens: SQLite's per-process lock bookkeeping must not be copied into a child.
+    Where /proc/self/fd exists that rule is checked, by inode, for the databases argv
+    names (with their -wal and -shm) and the *.db files of a directory it names.
+    ``stderr``, a descriptor, becomes the child's stderr; the child exits as
+    ``sys.exit(module.main(argv))`` in ``python3 module.py argv...`` would.
+    """
+    held = set()
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
+            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
+    for arg in argv:
+        opened = [arg, arg + "-wal", arg + "-shm"]
+        if os.path.isdir(arg):
+            with contextlib.suppress(OSError):  # unreadable: the child will say so
+                opened = [os.path.join(arg, name) for name in os.listdir(arg)
+                          if name.endswith((".db", ".db-wal", ".db-shm"))]
+        for path in opened:
+            with contextlib.suppress(OSError, ValueError):  # not a file (or not a path at all): nothing held
+                if os.stat(path)[1:3] in held:
+                    raise RuntimeError(f"fork_start: this process holds {path} open, and the child opens it;"
+                                       " close that connection before forking")
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the driver
+        code = 1
+        try:
+            os.dup2(stdin_r, 0)
+            os.dup2(stdout_w, 1)
+            if stderr is not None:
+                os.dup2(stderr, 2)
+            # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
+            # children (their EOF would wait for this one), nor a writer queue a dead parent held.
+            low = 3
+            for fd in sorted(keep):
+                os.closerange(low, fd)
+                low = fd + 1
+            os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
+            if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
+                reliability.start_child = start_tool
+            sys.stdin = open(0, encoding="utf-8", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+            random.seed()  # siblings must not share the parent's back-off sequence
+            try:
+                code = module.main(list(argv))
+            except SystemExit as exit:  # argparse's usage error (exit 2)
+                code = exit.code
+            except BaseException:
+                traceback.print_exc()  # os._exit below would swallow it
+                code = 1
+            if code is None:
+                code = 0
+            elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
+                sys.stderr.write(f"{code}\n")
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(stdin_r)
+    os.close(stdout_w)
+    return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
+
+
+def fork_main(module, argv, stdin=b"", at_ready=None):
+    """``module.main(argv)`` in a child forked by fork_start, run to its end, for the tests:
+    (exit code, stdout, stderr) as bytes.  With ``at_ready`` the child's first line must be
+    READY; at_ready() runs, then GO is written.  A child still running at the watchdog, or
+    when anything here fails, is killed and reaped."""
+    with tempfile.TemporaryFile() as stderr:
+        child = fork_start(module, [str(arg) for arg in argv], stderr=stderr.fileno())
+        try:
+            if at_ready is not None:
+                ready = child.readline()
+                if ready != "READY":
+                    raise AssertionError(f"the child said {ready!r}, not READY")
+                at_ready()
+                stdin = b"GO\n"
+            out, _ = child.communicate(stdin, timeout=WATCHDOG)
+        finally:
+            if child.returncode is None:
+                child.kill()
+                child.communicate()
+        stderr.seek(0)
+        return child.returncode, out, stderr.read()
+
+
+def run_together(commands, stdin=b"", **options):
+    """Run every command (an argv list) at once, each to its end with ``stdin`` as input, for
+    the tests; [(exit code, stdout, stderr)] as bytes.  A child still running at the
+    watchdog, or when anything fails, is killed and reaped: none is left behind."""
+    children, done = [], []
+    try:
+        for argv in commands:
+            children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, **options))
+        for child in children:
+            out, err = child.communicate(stdin, timeout=WATCHDOG)
+            done.append((child.returncode, out, err))
+        return done
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                child.communicate()
+
+
+def fork_json(function, *args):
+    """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
+    reader, writer = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: reports and never returns into the caller
+        code = 1
+        try:
+            os.close(reader)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
+            random.seed()  # siblings must not share the parent's back-off sequence
+            with os.fdopen(writer, "w", encoding="utf-8") as pipe:
+                json.dump(function(*args), pipe)
+            code = 0
+        except BaseException:
+            traceback.print_exc()  # os._exit below would swallow it
+        finally:
+            os._exit(code)
+    os.close(writer)
+    return pid, reader
+
+
+def run_forked(function, *args):
+    """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it failed)."""
+    pid, reader = fork_json(function, *args)
+    with os.fdopen(reader, encoding="utf-8") as pipe:
+        text = pipe.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0:
+        raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
+    return json.loads(text)
+
+
 # --- results, comparison and the command line ------------------------------------------
 
 def results_of(runs):
@@ -1621,8 +1689,8 @@ def differences(expected, observed):
             for key in sorted(set(left) | set(right)) if text(left, key) != text(right, key)]
 
 
-def summary(run, arrow="->"):
-    """The figures a reader compares with the article's table."""
+def summary(run, arrow="→"):
+    """The figures a reader compares with the article's table, from the last observation."""
     stages = list(run.stages.values())
     if not stages:
         return "no observation"
@@ -1641,6 +1709,17 @@ def summary(run, arrow="->"):
     if isinstance(status, dict):
         status = ", ".join(f"{name} {count}" for name, count in status.items())
     return f"{quantities}, effects {last['effects']}" + (f", {status}" if status else "")
+
+
+def console_line(run, shown=("✓", "✗", "→")):
+    """A run's line on the console: its verdict, its name, its figures and what was injected.
+    Names are padded to the longest of their group, so the line is the same however many ran."""
+    ok_mark, bad_mark, arrow = shown
+    width = max(len(name) for name, (group, _, _) in SCENARIOS.items() if group == SCENARIOS[run.name][0])
+    figures = (run.headline or summary(run)).replace("→", arrow)
+    injected = "" if SCENARIOS[run.name][0] == "crash_matrix" else "; ".join(run.injected) or "no fault"
+    line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {figures}"
+    return line + (f"  [{injected}]" if injected else "")
 
 
 def versions(out):
@@ -1669,6 +1748,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("run_experiment.py: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # its reader went away (| head): stop quietly, the exit flush too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _usable(args):
@@ -1746,21 +1828,18 @@ def _main(argv):
     names = [name for name in SCENARIOS if name in names]  # in article order, whatever the command line's
     versions(sys.stderr)
     out = sys.stderr if args.json else sys.stdout
-    ok_mark, bad_mark, arrow = marks(out)
+    shown = marks(out)
     runs = run_all(names)
-    widths = {}
-    for name in names:
-        widths[SCENARIOS[name][0]] = max(widths.get(SCENARIOS[name][0], 0), len(name))
     article = None
     for run in runs:
         if SCENARIOS[run.name][0] != article:
             article = SCENARIOS[run.name][0]
             print(HEADINGS[article], file=out)
-        injected = "" if SCENARIOS[run.name][0] == "crash_matrix" else "; ".join(run.injected) or "no fault"
-        line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{widths[article]}} {summary(run, arrow)}"
-        print(line + (f"  [{injected}]" if injected else ""), file=out)
+        print(console_line(run, shown), file=out)
         for failure in run.failures:
             print(f"      invariant failed: {failure}", file=out)
+        if run.failures:
+            print(f"      (its timeline: python3 run_experiment.py --explain {run.name})", file=out)
     failed = sum(bool(run.failures) for run in runs)
     print(f"{len(runs) - failed}/{len(runs)} scenarios hold their invariants", file=out)
     results = results_of(runs)
@@ -1791,8 +1870,7 @@ def explain(run):
     width = max(len(lane) for lane, _ in run.events) if run.events else 0
     for step, (lane, text) in enumerate(run.events, 1):
         print(f"{step:3}  {lane:{width}}  {text}")
-    ok_mark, bad_mark, arrow = marks()
-    print(f"{ok_mark if not run.failures else bad_mark} {summary(run, arrow)}")
+    print(console_line(run, marks()).strip())
     for failure in run.failures:
         print(f"    invariant failed: {failure}")
     return 1 if run.failures else 0

@@ -422,7 +422,7 @@ class CrashesAndRaces(Case):
             with self.subTest(boundary):
                 db = self.make_db(name=boundary + ".db")
                 self.assertEqual(cli("execute", db, "job-1", command, "--now", 0, "--crash", boundary),
-                                 (code, "", ""))  # died before printing anything
+                                 (code, "", f"preconditions.py: died at {boundary} (exit {code})\n"))  # said so, no more
                 committed = boundary == "after_commit"
                 self.assertEqual(self.figures(db), AFTER_APPLIED if committed else START)
                 retry_code, out, _ = cli("execute", db, "job-1", command, "--now", 0)
@@ -780,13 +780,13 @@ class CommandLine(Case):
         db = os.path.join(self.dir, "cli.db")
         code, out, err = cli("init", db, "名额A=10", "B=0")
         self.assertEqual((code, err), (0, ""))
-        self.assertEqual(json.loads(out), {"resources": {"B": {"quantity": 0, "revision": 1},
-                                                         "名额A": {"quantity": 10, "revision": 1}},
-                                           "effects": 0, "receipts": 0})
+        state = {"resources": {"B": {"quantity": 0, "revision": 1}, "名额A": {"quantity": 10, "revision": 1}},
+                 "effects": 0, "receipts": 0}
+        self.assertEqual(json.loads(out), dict(state, status="initialised"))
         probe, snapshot = run_experiment.run_together(
             [in_legacy("-c", "import sys; print(sys.stdout.encoding)"), in_legacy(MODULE, "snapshot", db)], env=legacy)
         self.assertEqual(probe, (0, b"iso8859-1\n", b""))  # the child's text streams really are not UTF-8
-        self.assertEqual(snapshot, (0, out.encode("utf-8"), b""))  # its answer is UTF-8 bytes all the same
+        self.assertEqual(snapshot, (0, pre._dumps(state).encode("utf-8") + b"\n", b""))  # UTF-8 bytes all the same
         usage = [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"), ("bogus",)]
         for argv in usage:
             with self.subTest(argv=argv):

@@ -129,7 +129,10 @@ def receive(ws, key="k1", payload=PAYLOAD, *, issued_at=0, now=0, caller="agent"
 
 
 def counts(ws):
+    """Rows in every table that matters, or (tickets, receipts) of one receiver.db connection."""
     one = lambda connection, sql: connection.execute(sql).fetchone()[0]
+    if isinstance(ws, sqlite3.Connection):
+        return one(ws, "SELECT count(*) FROM tickets"), one(ws, "SELECT count(*) FROM receipts")
     return {"requests": one(ws.sender, "SELECT count(*) FROM requests"),
             "outbox": one(ws.sender, "SELECT count(*) FROM outbox"),
             "tickets": one(ws.receiver, "SELECT count(*) FROM tickets"),
@@ -203,11 +206,12 @@ def launcher(crash=None, started=None, legacy=False):
     children are (run_experiment.fork_start), or if ``legacy`` a fresh interpreter in the LEGACY locale."""
     def start(argv):
         argv = [*argv, *(["--crash", crash] if crash else [])]
-        if not legacy:
-            child = run_experiment.fork_start(reliability, argv)
+        if not legacy:  # its crash line ("died at ...") is not this run's output: the cli() tests read it
+            with open(os.devnull, "wb") as quiet:
+                child = run_experiment.fork_start(reliability, argv, stderr=quiet.fileno())
         else:
-            child = subprocess.Popen([sys.executable, *LEGACY[0], SCRIPT, *argv],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=LEGACY[1])
+            child = subprocess.Popen([sys.executable, *LEGACY[0], SCRIPT, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=LEGACY[1])
         if started is not None:
             started.append(child)
         return child
@@ -830,7 +834,7 @@ class CrashBoundaryTest(Case):
             fresh = [[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()]
             done = run_experiment.run_together(fresh, request + b"\n")
             self.assertEqual([code for code, _, _ in done], list(commands))
-            self.assertEqual(json.loads(done[0][1])["sender"], {"intent_rows": 0, "outbox": []})
+            self.assertEqual(json.loads(done[0][1])["sender"], {"intent_rows": 0, "outbox": [], "resolutions": []})
             self.assertTrue(done[1][2].startswith(b"reliability.py snapshot: "), done[1][2])
             self.assertIn(b"invalid choice", done[2][2])
             self.assertEqual((done[3][1], counts(ws)["tickets"]), (b"", 1))  # committed, then died before replying
@@ -838,8 +842,9 @@ class CrashBoundaryTest(Case):
     def test_the_tool_childs_command_line_refuses_a_boundary_it_does_not_own(self):
         with workspace() as ws:
             for argv in (("serve", "receive", ws.path("receiver"), "--crash", "after_claim"),
+                         ("serve", "receive", ws.path("receiver"), "--crash", "after_external_effect"),
                          ("serve", "nothing", ws.path("receiver")), ("serve",),
-                         ("dispatch", ws.root, "--now", 0, "--crash", "before_receiver_commit")):
+                         ("dispatch", ws.root, "--now", 0, "--crash", "after_mark_before_send")):
                 with self.subTest(argv=argv[:2]):
                     code, out, err = cli(*argv)
                     self.assertEqual((code, out), (2, ""))
@@ -1342,7 +1347,7 @@ class ResolveTest(Case):
             unknown_external(ws)
             ws.close()
             self.assertEqual(cli("purge", ws.root, "--now", 100, "--window", 50),
-                             (0, '{"deleted":1,"low_water":50}\n', ""))
+                             (0, '{"deleted":1,"low_water":50,"status":"purged"}\n', ""))
             self.assertEqual(cli("resolve", ws.root, "agent", "k1", "abandon", "--by", "x", "--why", "y"),
                              (0, '{"resolution":1,"status":"abandoned"}\n', ""))
             code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--by", "x", "--why", "y")
@@ -1679,7 +1684,7 @@ class FailedSyscallTest(Case):
                     kept[name] = reliability.snapshot(receiver)["tickets"]
                     self.assertEqual(reliability.receive(receiver, "agent", "k1", PAYLOAD, issued_at=0, now=1)
                                      ["ticket_id"], 1)
-                    self.assertEqual(reliability.snapshot(receiver), {"tickets": 1, "receipts": 1})
+                    self.assertEqual(counts(receiver), (1, 1))
                     self.assertEqual(receiver.execute("PRAGMA integrity_check").fetchone()[0], "ok")
             self.assertEqual(kept, {"error survives": 0, "then SIGKILL": 1, "disk full": 0})
 
@@ -1789,7 +1794,7 @@ class CopyKitTest(unittest.TestCase):
                 self.assertEqual(kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=1), first)
                 with self.assertRaises(kit.Conflict):
                     kit.receive(connection, "agent", "k1", OTHER_PAYLOAD, issued_at=0, now=2)
-                self.assertEqual(reliability.snapshot(connection), {"tickets": 1, "receipts": 1})
+                self.assertEqual(counts(connection), (1, 1))
 
     def test_the_outbox_kit_runs_the_articles_lease_and_stale_acknowledgement_alone(self):
         with tempfile.TemporaryDirectory() as directory:
@@ -2020,14 +2025,44 @@ class DriverTest(unittest.TestCase):
             "kills_its_worker": (["its worker died or failed before reporting (a traceback, if any, is above)"], {}),
             "observes": ([], {"seen": {"pid_differs": True}}), "observes_too": ([], {"seen": {"pid_differs": True}})})
 
-    def test_a_failed_batch_start_kills_and_reaps_the_children_already_started(self):
-        started = [mock.Mock(), mock.Mock(), mock.Mock()]  # simulated, as the article says
-        with mock.patch.object(run_experiment, "start", side_effect=started + [OSError("no more processes")]):
-            with self.assertRaises(OSError):
-                run_experiment.start_batch([("reliability.py", "claim", "root", "--now", 0)] * 8)
-        for child in started:
-            child.kill.assert_called_once_with()
-            child.communicate.assert_called_once_with()
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
+    def test_a_batch_that_fails_half_way_kills_and_reaps_every_child_before_its_folder_goes(self):
+        # Real children that would wait for ever (serve --wait with no request), then a failure: a child at
+        # the watchdog, or a start that fails half way (the only simulated part: fork refusing a fourth child).
+        real, started = run_experiment.fork_start, []
+
+        def fourth_fails(*args, **kwargs):
+            if len(started) == 3:
+                raise OSError("no more processes")
+            started.append(real(*args, **kwargs))
+            return started[-1]
+        with workspace() as ws:
+            ws.close()
+            run = run_experiment.Run("batch", ws.root)
+            command = ("reliability.py", "serve", "receive", ws.path("receiver"), "--wait")
+            with self.assertRaises(RuntimeError), run_experiment.batch(run, [command] * 8) as children:
+                raise RuntimeError("one child hung at the watchdog")
+            with mock.patch.object(run_experiment, "fork_start", fourth_fails), self.assertRaises(OSError):
+                with run_experiment.batch(run, [command] * 8):
+                    pass
+            for child in children + started:
+                self.assertEqual(child.returncode, -signal.SIGKILL)
+                with self.assertRaises(ChildProcessError):  # reaped: no zombie either
+                    os.waitpid(child.pid, os.WNOHANG)
+            self.assertEqual((len(children), len(started)), (8, 3))
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
+    def test_a_racer_that_never_reaches_the_barrier_fails_the_race(self):
+        request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0, "now": 0})
+        with workspace() as ws:
+            ws.close()
+            run = run_experiment.Run("race", ws.root)
+            serve = ("reliability.py", "serve", "receive", ws.path("receiver"))
+            with run_experiment.batch(run, [serve + ("--wait",)] * 2) as children:
+                self.assertEqual(run_experiment.race(children, request)[0], 2)
+            with self.assertRaisesRegex(RuntimeError, "did not all reach the barrier"):
+                with run_experiment.batch(run, [serve + ("--wait",), serve]) as children:  # one answers at once
+                    run_experiment.race(children, request)
 
     def test_check_compares_json_types_so_one_is_not_true(self):
         self.assertEqual(run_experiment.differences({"a": 0, "b": 2, "c": [1]}, {"a": False, "b": 2.0, "c": [True]}),
