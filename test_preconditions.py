@@ -811,43 +811,36 @@ class CommandLine(Case):
 class TheSourceItself(unittest.TestCase):
     """Beyond 第七篇: what the README promises about the source: the copy kit, the twins, __all__."""
 
-    def test_the_execute_kit_alone_runs_the_articles_scenario(self):
+    def test_the_execute_kit_alone_runs_the_articles_scenario_on_the_readmes_connection(self):
+        # As a copier would: the kit in a fresh module, the connection opened as README.md's open_database()
+        # does, the tables from SCHEMA, in a fresh interpreter (and in Python 3.12+ too, where one is found).
         found = definitions(MODULE)
         kit = [name for name in found if name in KIT]  # source order
         self.assertEqual(sorted(kit), sorted(KIT))
         self.assertLess(sum(len(found[name][1].splitlines()) for name in kit), 150)  # lines of definitions
-        text = "\n\n\n".join(found[name][1] for name in kit) + "\n"
+        [recipe] = run_experiment.readme_blocks("python", os.path.join(HERE, "README.md"))
+        check = f"""
+connection = open_database(os.path.join(folder, "t.db"))
+for statement in {pre.SCHEMA!r}:
+    connection.execute(statement)
+connection.execute("INSERT INTO resources VALUES ('A', 10, 1), ('B', 0, 1)")
+plan = {plan()!r}
+assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {APPLIED!r}
+assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {{"status": "replayed", "result": {APPLIED!r}}}
+connection.execute("UPDATE resources SET quantity = 5, revision = 3 WHERE name = 'B'")  # another write
+assert kit.execute(connection, "job-2", plan, issued_at=0, now=0) == {{"status": "stale", "observed": {{"A": 2, "B": 3}}}}
+assert not os.path.exists(os.path.join(folder, "preconditions.py"))
+"""
+        interpreters = [sys.executable] + [newer for newer in [run_experiment.newer_python()] if newer]
         with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "execute_kit.py")
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(KIT_IMPORTS + "\n\n" + text)
-            spec = importlib.util.spec_from_file_location("execute_kit", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            self.assertEqual(sorted(name for name in vars(module) if not name.startswith("__")),
-                             sorted(KIT + ["hashlib", "json", "os", "sqlite3", "contextmanager"]))
-            db = os.path.join(folder, "t.db")
-            pre.init(db, {"A": 10, "B": 0})
-            c = pre.connect(db)
-            try:
-                self.assertEqual(module.execute(c, "job-1", plan(), issued_at=0, now=0), APPLIED)
-                self.assertEqual(module.execute(c, "job-1", plan(), issued_at=0, now=0),
-                                 {"status": "replayed", "result": APPLIED})
-                pre.change(c, "other-1", "B", 2, issued_at=0, now=0)
-                self.assertEqual(module.execute(c, "job-2", plan(), issued_at=0, now=0),
-                                 {"status": "stale", "observed": {"A": 2, "B": 3}})
-                self.assertEqual(pre.snapshot(c)["resources"], {"A": {"quantity": 7, "revision": 2},
-                                                                "B": {"quantity": 5, "revision": 3}})
-            finally:
-                c.close()
-
-    def test_the_readme_gives_the_kits_line_count(self):
-        found = definitions(MODULE)
-        lines = sum(len(found[name][1].splitlines()) for name in KIT)
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-            row = [line for line in handle if line.startswith("| `preconditions.execute` |")]
-        self.assertEqual(len(row), 1)
-        self.assertEqual(row[0].rstrip().rstrip("|").rsplit("|", 1)[1].strip(), str(lines))
+            with open(os.path.join(folder, "kit.py"), "w", encoding="utf-8") as handle:
+                handle.write(KIT_IMPORTS + "\n\n" + "\n\n\n".join(found[name][1] for name in kit) + "\n")
+            script = "\n".join(["import os, sys", f"folder = {folder!r}", "sys.path.insert(0, folder)", "import kit",
+                                recipe, check, "print('ok')"])
+            done = run_experiment.run_together([[python, "-I", *SAME_FLAGS, "-c", script] for python in interpreters])
+        for python, (code, out, err) in zip(interpreters, done):
+            with self.subTest(python=python):
+                self.assertEqual((code, out, err.decode("utf-8")), (0, b"ok\n", ""))
 
     def test_the_kit_list_is_exactly_what_execute_needs(self):
         found = definitions(MODULE)
@@ -885,6 +878,96 @@ class TheSourceItself(unittest.TestCase):
             lines = [line for line in handle if line.startswith("`preconditions.__all__`:")]
         self.assertEqual(len(lines), 1, "README.md needs exactly one line starting with `preconditions.__all__`:")
         self.assertEqual(set(pre.__all__), set(re.findall(r"`([^`]+)`", lines[0].split(":", 1)[1])))
+
+
+# README.md's article 7 table: each scenario's figures, as paths into results.json, in the "ours" cell's order.
+TABLE_FIGURES = {
+    "unsafe_check_then_act": [("after_go", "quantities", "A"), ("after_go", "quantities", "B"), ("after_go", "effects")],
+    "safe_stale_rejected": [("after_go", "status"), ("after_go", "quantities", "A"), ("after_go", "quantities", "B"),
+                            ("after_go", "effects")],
+    "lost_ack_replay": [("after_first", "status"), ("after_retry", "status"), ("after_retry", "effects")],
+    "replan_new_id": [("after_stale", "status"), ("after_same_id", "status"), ("after_new_id", "status")],
+    "aba_revision": [("after_execute", "quantities", "A"), ("after_execute", "revisions", "A"),
+                     ("after_execute", "status")],
+    "crash_points": [(f"{boundary}.{stage}", key) for boundary in pre.EXIT_CODES
+                     for stage, key in (("after_crash", "exit_code"), ("after_retry", "status"))],
+    "stale_rejection_durable": [("after_retry", "status"), ("after_retry", "stored_status"), ("after_retry", "effects")],
+    "trigger_faults": [("receipt_insert_fault", "quantities", "A"), ("receipt_insert_fault", "quantities", "B"),
+                       ("receipt_insert_fault", "effects")],
+    "concurrent_distinct_ops": [("after_race", "statuses", "applied"), ("after_race", "statuses", "stale"),
+                                ("after_race", "effects")],
+    "concurrent_same_op": [("after_race", "statuses", "applied"), ("after_race", "statuses", "replayed")],
+    "undeclared_dependency": [("after_execute", "status"), ("after_execute", "quantities", "C")],
+}
+
+
+class ReadmeForArticle7(unittest.TestCase):
+    """README.md stays true for article 7's reader: its headline lines are the console's, its table
+    holds results.json's figures, its walk-through runs as printed, its counts and kit are the files'."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+            cls.text = handle.read()
+        cls.lines = cls.text.splitlines()
+
+    def test_its_headline_lines_are_the_consoles_within_the_first_60_lines(self):
+        for run in run_experiment.run_all(["unsafe_check_then_act", "safe_stale_rejected"]):
+            self.assertEqual(run.failures, [])
+            self.assertIn(run_experiment.console_line(run), self.lines[:60])
+
+    def test_the_counts_it_gives_are_the_drivers_and_this_files(self):
+        count = sum(isinstance(item, ast.FunctionDef) and item.name.startswith("test")
+                    for node in ast.parse(open(os.path.abspath(__file__), encoding="utf-8").read()).body
+                    if isinstance(node, ast.ClassDef) for item in node.body)
+        ours = len(ARTICLE_7) + len(MATRIX)
+        for said in (f"`test_preconditions.py` {count} 个", f" and {count} tests", f"第七篇 {ours}（11 组 + 3 格）",
+                     f"article 7's {ours} (11 groups + 3 cells)"):
+            self.assertTrue(said in self.text, f"README.md does not say {said!r}")
+
+    def test_the_scenario_table_gives_results_jsons_figures(self):
+        start = self.lines.index(next(line for line in self.lines if line.startswith("| `unsafe_check_then_act`")))
+        rows = {}
+        for line in self.lines[start:]:
+            if not line.startswith("|"):
+                break
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[re.match(r"`(\w+)`", cells[0]).group(1)] = cells[2]
+        self.assertEqual(list(rows), ARTICLE_7)
+        seven = committed_results()["article_7"]
+        for name, cell in rows.items():
+            values = []
+            for path in TABLE_FIGURES[name]:
+                value = seven[name]
+                for key in path:
+                    value = value[key]
+                values.append(value)
+            with self.subTest(name):  # the values in order, and no other number
+                self.assertEqual(re.findall(r"\d+", cell), [str(v) for v in values if isinstance(v, int)], cell)
+                position = 0
+                for value in (v for v in values if isinstance(v, str)):
+                    position = cell.index(value, position) + len(value)
+
+    def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_what_it_says(self):
+        [block] = [block for block in run_experiment.readme_blocks("sh") if "python3 preconditions.py init" in block]
+        self.assertGreaterEqual(len([line for line in block.splitlines() if line.startswith("python3")]), 10)
+        with tempfile.TemporaryDirectory() as folder:
+            for name in ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md"):
+                shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
+            code, out, expected = run_experiment.walk_through(block, folder, SAME_FLAGS)
+        position = 0
+        for fragment in expected:  # each where the reader is told to look, in the block's order
+            self.assertIn(fragment, out[position:], out)
+            position = out.index(fragment, position) + len(fragment)
+        self.assertEqual(code, 0, out)
+        self.assertNotIn("Traceback", out)
+
+    def test_the_kit_row_lists_executes_closure_and_counts_its_lines(self):
+        found = definitions(MODULE)
+        [row] = [line for line in self.lines if line.startswith("| `preconditions.execute` |")]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        self.assertEqual(set(re.findall(r"`([^`]+)`", cells[1])) | {"execute"}, set(KIT))
+        self.assertEqual(cells[2], str(sum(len(found[name][1].splitlines()) for name in KIT)))
 
 
 # === driver tests: results.json as committed (--check reruns every scenario against it), and the driver ===
