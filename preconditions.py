@@ -20,6 +20,7 @@ if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpre
     sys.stderr.write(f"preconditions.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
     sys.exit(2)
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -307,40 +308,49 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, a directory, unreadable or read-only (the file or
-    its directory, where WAL keeps -wal and -shm), not SQLite, not ours, or another
-    schema version: each raises before anything is written, naming the path.
+    Never creates a file.  Missing, a directory, unreadable or read-only (the file, its
+    -wal or -shm, or its directory), a file with a second name (each name would get its
+    own -wal), not SQLite, not ours, or another schema version: each raises naming the
+    path, and the database and its -wal are left byte for byte as they were.
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
+    if os.stat(path).st_nlink > 1:
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
+                      " keep its own -wal and committed work could be lost", path)
     folder = os.path.dirname(os.path.abspath(path))
-    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
-        if not os.access(where, need):
+    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("-wal", path + "-wal", os.R_OK | os.W_OK),
+                              ("-shm", path + "-shm", os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
+        if os.path.exists(where) and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
-    uri = "file:" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    # "file://" and an empty authority, so that a path starting with // stays a path.
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
-    except sqlite3.Error as error:
-        raise type(error)(f"{path}: {error}") from None
-    try:
-        kind, version = (connection.execute(f"PRAGMA {name}").fetchone()[0] for name in
-                         ("application_id", "user_version"))
+        # Checked read-only first: closing a read-only connection never checkpoints, so a
+        # refused file (even one with another database's -wal beside it) is left as it was.
+        with contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None)) as look:
+            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
+                             ("application_id", "user_version"))
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
             kind, version = version, 1
         if kind not in application_ids:
             raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
         if version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"schema version {version}, but this code needs {SCHEMA_VERSION}")
+        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
+    except sqlite3.Error as error:
+        raise type(error)(f"{path}: {error}; nothing was written") from None
+    try:
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
             raise sqlite3.DatabaseError("cannot run in WAL mode")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA foreign_keys=ON")
     except sqlite3.Error as error:
         connection.close()
-        raise type(error)(f"{path}: {error}; nothing was written") from None
+        raise type(error)(f"{path}: {error}") from None
     return connection
 
 

@@ -18,6 +18,7 @@ if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpre
     sys.stderr.write(f"reliability.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
     sys.exit(2)
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -40,6 +41,7 @@ LEASE_TICKS = 10             # 第一篇 §5: a claim at tick t may be taken ove
 MAX_ATTEMPTS = 10            # an idempotent row unanswered this often since the last person's decision is blocked
 MAX_IDENTITY_LENGTH = 200    # caller and request key, in characters
 MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
+MAX_PAYLOAD_DEPTH = 32       # nested objects and arrays, far inside any JSON parser's recursion limit
 CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
 MODES = ("idempotent", "external")  # which tool an intent is for: the receiver, or one without receipts (§6)
 MAX_TICK = 2 ** 62           # twin: logical ticks stay far inside SQLite's signed 64-bit integers
@@ -180,24 +182,23 @@ def transaction(connection):
 def receive(connection, caller, key, payload, *, issued_at, now):
     """第一篇 §3: create one ticket per (caller, key), however often the request arrives.
 
-    The receipt check, the ticket and the receipt share one BEGIN IMMEDIATE
-    transaction: a replay returns the identical response, rebuilt from the receipt;
-    the same key with another payload raises Conflict.  Beyond the article: once
-    purge() has run, a request issued before its low-water mark that finds no receipt
-    raises Expired instead of acting again.
+    The receipt check, the ticket and the receipt share one BEGIN IMMEDIATE transaction:
+    a replay returns the identical response, rebuilt from the receipt and checked against
+    its ticket; another payload under the key raises Conflict.  Beyond the article: after
+    purge(), a request issued before the low-water mark without a receipt raises Expired.
     """
     check_identity(caller, key)
     text, digest = canonical(payload)
     check_ticks(issued_at, now)
     with transaction(connection):
-        old = connection.execute(
-            "SELECT r.digest, r.ticket_id, t.caller IS r.caller AND t.key IS r.key AND t.digest IS r.digest"
-            " FROM receipts r LEFT JOIN tickets t ON t.id = r.ticket_id WHERE r.caller = ? AND r.key = ?",
-            (caller, key)).fetchone()
+        old = connection.execute(  # stored text is read as bytes: what another program wrote cannot raise here
+            "SELECT CAST(r.digest AS BLOB), r.ticket_id, t.caller IS r.caller AND t.key IS r.key"
+            " AND t.digest IS r.digest, CAST(t.payload AS BLOB) FROM receipts r LEFT JOIN tickets t"
+            " ON t.id = r.ticket_id WHERE r.caller = ? AND r.key = ?", (caller, key)).fetchone()
         if old:
-            if old[0] != digest:
+            if old[0] != digest.encode():
                 raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-            if not old[2]:
+            if not old[2] or hashlib.sha256(old[3]).hexdigest() != digest:
                 raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its ticket")
             return {"caller": caller, "key": key, "digest": digest, "ticket_id": old[1]}
         low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
@@ -256,7 +257,7 @@ def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
         return dict(result, exit_code=None,
                     refused="not in flight under this attempt, or already sent under it: nothing was sent")
     crash_point("after_response_before_ack")  # the reply is here, not yet recorded
-    if isinstance(response, dict) and response.get("error") in ("conflict", "expired"):
+    if isinstance(response, dict) and response.get("error") in ("conflict", "expired", "corrupt"):
         # The receiver refused for good: a person, or a new key, decides what follows.
         _end_attempt(connection, caller, key, attempt, "blocked", response)
         return dict(result, response=response)
@@ -321,34 +322,40 @@ def claim(connection, now):
     Due: issued at or before ``now``, and pending or in flight with a lease that ended
     at or before ``now``.  Of racing claimers exactly one wins a row.  An expired
     external row is not re-claimed but made unknown (§6); a row unanswered
-    MAX_ATTEMPTS times since the last person's decision, or whose payload no longer
-    matches its digest, is blocked.  Returns the claimed row as a dict, or None.
+    MAX_ATTEMPTS times since the last person's decision, or not stored as enqueue()
+    stores it, is blocked, with its reason.  Returns the claimed row as a dict, or None.
     """
     check_ticks(0, now)
     with transaction(connection):
         while True:
-            row = connection.execute(
-                "SELECT o.caller, o.key, o.state, o.attempts, r.mode, r.digest, r.payload, r.issued_at,"
-                " o.attempts - coalesce((SELECT max(attempt) FROM resolutions s"
-                "                        WHERE s.caller = o.caller AND s.key = o.key), 0)"
+            row = connection.execute(  # stored text as bytes: a row another program wrote cannot raise here
+                "SELECT o.id, o.state, o.attempts, r.mode, r.issued_at, o.attempts - coalesce("
+                "(SELECT max(attempt) FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0),"
+                " typeof(r.payload) = 'text' AND typeof(r.digest) = 'text', CAST(o.caller AS BLOB),"
+                " CAST(o.key AS BLOB), CAST(r.digest AS BLOB), CAST(r.payload AS BLOB)"
                 " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
                 " WHERE (o.state = 'pending' OR (o.state = 'inflight' AND o.lease_until <= ?))"
                 " AND r.issued_at <= ? ORDER BY o.id LIMIT 1", (now, now)).fetchone()
             if row is None:
                 return None
-            caller, key, state, attempts, mode, digest, text, issued_at, used = row
+            number, state, attempts, mode, issued_at, used, intact = row[:7]
+            try:  # what enqueue() stores: UTF-8 text, a JSON object, and the digest of exactly that text
+                caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
+                intact = intact and hashlib.sha256(row[10]).hexdigest() == digest and type(json.loads(text)) is dict
+            except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past what JSON can parse
+                intact = False
             if state == "inflight" and mode == "external":
                 # The expired attempt may have reached the tool: calling again could act twice.
-                connection.execute("UPDATE outbox SET state = 'unknown' WHERE caller = ? AND key = ?", (caller, key))
+                connection.execute("UPDATE outbox SET state = 'unknown' WHERE id = ?", (number,))
             elif used >= MAX_ATTEMPTS:
-                _block(connection, caller, key, f"no valid answer after {used} attempts")
-            elif hashlib.sha256(text.encode("utf-8")).hexdigest() != digest:
-                _block(connection, caller, key, "corrupt intent: the payload does not match its digest")
+                _block(connection, number, f"no valid answer after {used} attempts")
+            elif not intact:
+                _block(connection, number, "corrupt intent: not the text, payload and digest enqueue() stores")
             else:
                 # The owner's pid: reconcile() takes absence as proof only once it is gone.
                 connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?,"
-                                   " owner_pid = ?, tool_pid = NULL WHERE caller = ? AND key = ?",
-                                   (attempts + 1, now + LEASE_TICKS, os.getpid(), caller, key))
+                                   " owner_pid = ?, tool_pid = NULL WHERE id = ?",
+                                   (attempts + 1, now + LEASE_TICKS, os.getpid(), number))
                 return {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest,
                         "payload": json.loads(text), "issued_at": issued_at, "now": now}
 
@@ -380,10 +387,10 @@ def check_response(response, caller, key, digest):
         raise ValueError("response ticket_id must be a positive int")
 
 
-def _block(connection, caller, key, reason):
+def _block(connection, number, reason):
     # A record that cannot be trusted, or answered, is parked for a person, never sent.
-    connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE caller = ? AND key = ?",
-                       (_dumps({"error": reason}), caller, key))
+    connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE id = ?",
+                       (_dumps({"error": reason}), number))
 
 
 # --- 第一篇 §6: a tool that keeps no receipts ------------------------------------------------
@@ -522,6 +529,8 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     to leave releases the other's place.  Raises Busy after ``deadline`` seconds in
     line, with nothing written.  Without fcntl (Windows) it does nothing.
     """
+    if type(deadline) not in (int, float) or not 0 <= deadline < float("inf"):  # nan fails this too
+        raise ValueError(f"deadline must be a finite number of seconds from 0, not {deadline!r}")
     if fcntl is None:
         yield connection
         return
@@ -611,18 +620,23 @@ def snapshot(connection):
 def canonical(payload):
     """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.
 
-    Anything JSON cannot carry exactly (NaN, Infinity, non-string keys, tuples, bytes,
-    sets) raises before any transaction.  The digest detects a different intent behind
-    the same key; it never replaces the key.
+    What JSON cannot carry exactly (NaN, non-str keys, tuples, bytes, sets), or deeper than
+    MAX_PAYLOAD_DEPTH, raises before any transaction.  The digest tells another intent
+    behind the same key; it never replaces the key.
     """
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
+    todo = [(payload, 1)]
+    while todo:  # without recursion; a payload this deep is sent, answered and replayed alike
+        value, depth = todo.pop()
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise ValueError(f"payload nests deeper than {MAX_PAYLOAD_DEPTH} levels")
+        if isinstance(value, (dict, list, tuple)):
+            todo += [(inner, depth + 1) for inner in (value.values() if isinstance(value, dict) else value)]
     try:
         text = _dumps(payload)
     except (TypeError, ValueError) as error:
         raise type(error)(f"payload is not exact JSON: {error}") from None
-    except RecursionError:
-        raise ValueError("payload nests too deeply") from None
     if json.loads(text) != payload:  # json turns int keys into strings and tuples into lists
         raise TypeError("payload is not exact JSON: keys must be str and arrays lists")
     data = text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
@@ -695,40 +709,49 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, a directory, unreadable or read-only (the file or
-    its directory, where WAL keeps -wal and -shm), not SQLite, not ours, or another
-    schema version: each raises before anything is written, naming the path.
+    Never creates a file.  Missing, a directory, unreadable or read-only (the file, its
+    -wal or -shm, or its directory), a file with a second name (each name would get its
+    own -wal), not SQLite, not ours, or another schema version: each raises naming the
+    path, and the database and its -wal are left byte for byte as they were.
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
+    if os.stat(path).st_nlink > 1:
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
+                      " keep its own -wal and committed work could be lost", path)
     folder = os.path.dirname(os.path.abspath(path))
-    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
-        if not os.access(where, need):
+    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("-wal", path + "-wal", os.R_OK | os.W_OK),
+                              ("-shm", path + "-shm", os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
+        if os.path.exists(where) and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
-    uri = "file:" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    # "file://" and an empty authority, so that a path starting with // stays a path.
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
-    except sqlite3.Error as error:
-        raise type(error)(f"{path}: {error}") from None
-    try:
-        kind, version = (connection.execute(f"PRAGMA {name}").fetchone()[0] for name in
-                         ("application_id", "user_version"))
+        # Checked read-only first: closing a read-only connection never checkpoints, so a
+        # refused file (even one with another database's -wal beside it) is left as it was.
+        with contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None)) as look:
+            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
+                             ("application_id", "user_version"))
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
             kind, version = version, 1
         if kind not in application_ids:
             raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
         if version != SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"schema version {version}, but this code needs {SCHEMA_VERSION}")
+        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
+    except sqlite3.Error as error:
+        raise type(error)(f"{path}: {error}; nothing was written") from None
+    try:
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
             raise sqlite3.DatabaseError("cannot run in WAL mode")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA foreign_keys=ON")
     except sqlite3.Error as error:
         connection.close()
-        raise type(error)(f"{path}: {error}; nothing was written") from None
+        raise type(error)(f"{path}: {error}") from None
     return connection
 
 
@@ -936,8 +959,9 @@ def _serve(args):
         else:
             act = external_create_ticket if args.tool == "external" else unsafe_receive_without_receipt
             response = act(connection, caller, key, payload)
-    except (Conflict, Expired) as error:
-        response = {"error": "conflict" if isinstance(error, Conflict) else "expired", "message": str(error)}
+    except (Conflict, Expired, CorruptRecord) as error:  # refusals for good: the sender blocks the row at once
+        response = {"error": {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt"),
+                    "message": str(error)}
     finally:
         connection.close()
     return _dumps(response).encode("utf-8")

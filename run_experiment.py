@@ -996,6 +996,7 @@ def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write
         try:
             os.close(alive_read)
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back by spawn() in the parent
             random.seed()  # siblings must not share the back-off sequence
             code = _torture_worker(base, index, seed, started, deadline, alive_write, operations)
         except BaseException as error:
@@ -1030,20 +1031,28 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
     """
     seed = random.SystemRandom().randrange(2 ** 32) if seed is None else seed
     rng, violations, pids, kills, restarts = random.Random(seed), [], {}, 0, 0
-    base, began = tempfile.mkdtemp(prefix="torture-", dir=directory), time.monotonic()
-    alive_read, alive_write = os.pipe()
+    base, alive_read, alive_write, began = None, None, None, time.monotonic()
+
+    def spawn(index):
+        # SIGINT waits from the fork to the bookkeeping: a Ctrl-C in between would leave a worker unreaped.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pids[index] = _torture_spawn(base, index, seed, started, started + (seconds or 0), alive_read,
+                                         alive_write, operations)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
+        base = tempfile.mkdtemp(prefix="torture-", dir=directory)  # inside the try: removed whatever happens
+        alive_read, alive_write = os.pipe()
         reliability.init(base)
         preconditions.init(os.path.join(base, TORTURE_DB), TORTURE_RESOURCES)
         started = time.monotonic()
-        spawn = lambda index: _torture_spawn(base, index, seed, started, started + (seconds or 0), alive_read,
-                                             alive_write, operations)
         for index in range(TORTURE_WORKERS):
-            pids[index] = spawn(index)
+            spawn(index)
         for index in range(TORTURE_WORKERS) if operations is not None else ():
             while _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
                 kills, restarts = kills + 1, restarts + 1  # it died at one of its kill points
-                pids[index] = spawn(index)
+                spawn(index)
         while operations is None:
             pause, index = rng.uniform(0, TORTURE_KILL_PAUSE), rng.randrange(TORTURE_WORKERS)
             if time.monotonic() + pause >= started + seconds:
@@ -1052,8 +1061,8 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
             if index in pids:
                 os.kill(pids[index], signal.SIGKILL)
                 if _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
-                    kills += 1
-                    pids[index], restarts = spawn(index), restarts + 1
+                    kills, restarts = kills + 1, restarts + 1
+                    spawn(index)
         os.close(alive_write)
         alive_write = None
         # Every worker and every tool child it forked holds the write end: EOF means all have ended.
@@ -1085,7 +1094,8 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
         for fd in (alive_read, alive_write):
             if fd is not None:
                 os.close(fd)
-        shutil.rmtree(base, ignore_errors=True)
+        if base is not None:
+            shutil.rmtree(base, ignore_errors=True)
     return {"seconds": seconds, "seed": seed, "workers": TORTURE_WORKERS, "sqlite": sqlite3.sqlite_version,
             "elapsed": round(time.monotonic() - began, 2), "operations": operations,
             "kills": kills, "restarts": restarts, "final": final, "violations": violations}
@@ -1265,8 +1275,8 @@ def check_integrity(run):
 def reader(path):
     """A read-only connection for the observer: it sees what was committed, and its close
     never checkpoints, so observing does not change how the next process finds the files."""
-    connection = sqlite3.connect("file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-                                 + "?mode=ro", uri=True, isolation_level=None)
+    connection = sqlite3.connect("file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f")
+                                 .replace("#", "%23") + "?mode=ro", uri=True, isolation_level=None)
     try:
         yield connection
     finally:

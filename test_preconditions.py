@@ -70,6 +70,11 @@ def plan(a=1, b=1, amount=3, src="A", dst="B"):
     return {"src": src, "dst": dst, "amount": amount, "expected": {src: a, dst: b}}
 
 
+def file_bytes(path):
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
 def digest_of(command):
     text = json.dumps(command, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -673,6 +678,41 @@ class FilesAndSchema(Case):
         with open(old, "rb") as handle:
             self.assertEqual(handle.read(), before)
 
+    def test_a_refused_open_leaves_the_database_and_a_foreign_wal_byte_for_byte(self):
+        self.x("job-1")
+        self.release()
+        foreign = os.path.join(self.dir, "notes.db")
+        notes = sqlite3.connect(foreign, isolation_level=None)
+        try:
+            notes.execute("PRAGMA journal_mode=WAL")
+            notes.execute("PRAGMA wal_autocheckpoint=0")
+            notes.execute("PRAGMA application_id = 4242")
+            notes.execute("CREATE TABLE notes (text TEXT)")
+            shutil.copyfile(foreign + "-wal", self.db + "-wal")  # its frames, unapplied, beside our file
+        finally:
+            notes.close()
+        before = [file_bytes(name) for name in (self.db, self.db + "-wal")]
+        with self.assertRaisesRegex(sqlite3.DatabaseError, "not a database of this module"):
+            pre.connect(self.db)
+        self.assertEqual([file_bytes(name) for name in (self.db, self.db + "-wal")], before)
+        os.remove(self.db + "-wal")
+        self.assertEqual(self.figures(), AFTER_APPLIED)  # still itself
+
+    def test_a_database_with_a_second_name_is_refused_naming_the_path(self):
+        alias = os.path.join(self.dir, "alias.db")
+        os.link(self.db, alias)  # each name would keep its own -wal
+        for path in (self.db, alias):
+            with self.subTest(path=path):
+                self.assert_refused(path, OSError, "more than one name")
+        os.remove(alias)
+        self.assertEqual(self.figures(), START)
+
+    def test_a_path_starting_with_two_slashes_is_a_path_and_init_leaves_nothing_half_made(self):
+        path = "/" + os.path.join(self.dir, "p.db")  # //tmp/...: the same file to POSIX
+        self.assertEqual(pre.init(path, {"A": 10, "B": 0})["resources"]["A"], {"quantity": 10, "revision": 1})
+        self.assertEqual(self.figures(path), START)
+        self.assertEqual(cli("purge", path, "--now", 100, "--window", 50)[0], 0)
+
     def connect_as_nobody(self, path):
         """pre.connect(path) in a forked child, as nobody (uid/gid 65534) if we are root: 'ok' or 'Type: message'."""
         return run_experiment.run_forked(_connect_as_nobody, path)
@@ -682,18 +722,26 @@ class FilesAndSchema(Case):
         os.mkdir(folder)
         os.chmod(self.dir, 0o755)  # nobody may look inside
         self.addCleanup(os.chmod, folder, 0o755)  # so that the temporary directory can go
-        for name, file_mode, folder_mode, named in (("unreadable.db", 0o000, 0o755, "file"),
-                                                    ("read-only.db", 0o444, 0o755, "file"),
-                                                    ("in-read-only-dir.db", 0o666, 0o555, "directory")):
+        for name, file_mode, folder_mode, named in (("unreadable.db", 0o000, 0o755, ""),
+                                                    ("read-only.db", 0o444, 0o755, ""),
+                                                    ("read-only-wal.db", 0o666, 0o755, "-wal"),
+                                                    ("read-only-shm.db", 0o666, 0o755, "-shm"),
+                                                    ("in-read-only-dir.db", 0o666, 0o555, None)):
             with self.subTest(name):
                 path = os.path.join(folder, name)
                 os.chmod(folder, 0o755)
                 pre.init(path, {"A": 1})
                 os.chmod(path, file_mode)
+                if named:  # an empty -wal or -shm, as SQLite leaves them, that nobody may read but not write
+                    with open(path + named, "wb"):
+                        pass
+                    os.chmod(path + named, 0o444)
                 os.chmod(folder, folder_mode)
                 text = self.connect_as_nobody(path)
                 self.assertTrue(text.startswith("PermissionError: "), text)
-                self.assertIn(path if named == "file" else folder, text)
+                self.assertIn(path + named + "'" if named is not None else folder, text)
+                if named:
+                    os.remove(path + named)
                 self.assertEqual([n for n in os.listdir(folder) if n.endswith(("-wal", "-shm"))], [])  # nothing made
         os.chmod(folder, 0o777)  # the control: the same user opens a file it may read and write
         os.chmod(path, 0o666)
