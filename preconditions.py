@@ -329,9 +329,11 @@ def _open(path, application_ids):
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
-        # Checked read-only first: closing a read-only connection never checkpoints, so a
-        # refused file (even one with another database's -wal beside it) is left as it was.
-        with contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None)) as look:
+        # Checked read-only first, so a refused file is left as it was: a read-only connection never
+        # checkpoints (not even another database's -wal beside it), and with no -wal to read it
+        # looks at the file alone (immutable), creating no -wal or -shm either.
+        alone = "" if os.path.exists(path + "-wal") else "&immutable=1"
+        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
             kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
                              ("application_id", "user_version"))
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version

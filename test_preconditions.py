@@ -17,6 +17,7 @@ if sys.version_info < (3, 9):  # one clear line (unittest would turn SystemExit 
 
 import ast
 import collections
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -292,6 +293,19 @@ class SameTransaction(Case):
         self.assertEqual(outcomes["unsafe"], ("applied", ({"A": (7, 2), "B": (5, 3)}, 1, 2)))  # A = 7, B = 5
         self.assertEqual(outcomes["safe"], ("stale", ({"A": (10, 1), "B": (2, 2)}, 0, 2)))  # A = 10, B = 2
 
+
+    def test_the_command_line_refuses_a_repeated_key_and_anything_but_go_after_ready(self):
+        # The last "src" would make this a valid plan; a repeated key is refused before it could.
+        repeated = '{"src": "B", "src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}'
+        code, out, err = cli("execute", self.db, "job-1", repeated, "--now", 0)
+        self.assertEqual((code, out), (1, ""))
+        self.assertIn("repeats a key", err)
+        code, out, err = run_experiment.fork_main(pre, ["execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
+                                                        "--wait"], stdin=b"NO\n")
+        self.assertEqual((code, out), (1, b"READY\n"))
+        self.assertIn(b"expected GO", err)
+        self.assertEqual(self.figures(), START)
+
     def test_the_check_and_the_write_run_under_one_write_lock(self):
         other = self.open()
         other.execute("PRAGMA busy_timeout = 0")
@@ -339,6 +353,11 @@ class RevisionsNotValues(Case):
         self.assertEqual(self.x("job-1"), {"status": "stale", "observed": {"A": 3, "B": 1}})
         self.assertEqual(self.figures(), ({"A": (10, 3), "B": (0, 1)}, 0, 3))  # A = 10 at revision 3
 
+
+    def test_a_plan_both_stale_and_too_large_is_stale_first_in_the_articles_order(self):
+        self.change("other-1", "B", 2)
+        self.assertEqual(self.x("job-1", plan(amount=11)), {"status": "stale", "observed": {"A": 1, "B": 2}})
+
     def test_change_always_bumps_the_revision_and_records_one_row(self):
         self.assertEqual(self.change("c-1", "A", -1), {"status": "changed", "name": "A", "quantity": 9, "revision": 2})
         self.assertEqual(self.change("c-2", "A", 0), {"status": "changed", "name": "A", "quantity": 9, "revision": 3})
@@ -363,6 +382,14 @@ class RevisionsNotValues(Case):
         self.assertEqual(self.x("job-2", plan(amount=2))["status"], "applied")
         self.assertEqual(self.sql("SELECT quantity, typeof(quantity) FROM resources WHERE name = 'B'"),
                          [(pre.MAX_INT64, "integer")])
+
+
+    def test_a_plan_may_move_the_whole_quantity_and_a_change_may_reach_exactly_0_or_the_maximum(self):
+        self.assertEqual(self.x("job-1", plan(amount=10)),
+                         {"status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 0, "B": 10}})
+        self.assertEqual(self.change("c-1", "B", -10)["quantity"], 0)
+        self.assertEqual(self.change("c-2", "B", pre.MAX_INT64)["quantity"], pre.MAX_INT64)
+        self.assertEqual(self.figures(), ({"A": (0, 2), "B": (pre.MAX_INT64, 4)}, 1, 3))
 
     def test_change_refusals_are_stored_receipts_and_change_nothing(self):
         self.sql("UPDATE resources SET quantity = ? WHERE name = 'B'", (pre.MAX_INT64,))
@@ -601,6 +628,13 @@ class Retention(Case):
         self.assertEqual(pre.purge(self.c, 100, 50), {"deleted": 1, "low_water": 50})
         self.assertEqual(self.receipts(), ([("job-2", 60)], 50))
 
+
+    def test_purge_keeps_a_receipt_written_exactly_at_the_mark(self):
+        self.x("job-1", now=49)
+        self.x("job-2", now=50)
+        self.assertEqual(pre.purge(self.c, 100, 50), {"deleted": 1, "low_water": 50})
+        self.assertEqual(self.receipts(), ([("job-2", 50)], 50))
+
     def test_a_cli_retry_with_the_ops_original_issue_tick_after_purge_is_expired_not_decided_again(self):
         stale = json.dumps(plan(a=2))
         self.assertEqual(json.loads(cli("execute", self.db, "job-1", stale, "--now", 1)[1])["status"],
@@ -800,6 +834,21 @@ class FilesAndSchema(Case):
             self.assertTrue(c.in_transaction)
         self.assertEqual((list(seen["resources"]), seen["effects"], seen["receipts"]), (["C", "a", "b"], 1, 2))
 
+
+
+    def test_snapshot_reads_resources_and_counts_in_one_read_transaction(self):
+        # A writer commits between snapshot's first read and its counts: they must not mix two states.
+        writer = self.open()
+
+        class Between(sqlite3.Connection):
+            def execute(self, sql, *args):
+                if sql.startswith("SELECT count(*) FROM effects"):
+                    pre.execute(writer, "job-1", plan(), issued_at=0, now=0)
+                return super().execute(sql, *args)
+        with contextlib.closing(sqlite3.connect(self.db, factory=Between, isolation_level=None)) as reader:
+            seen = pre.snapshot(reader)
+        self.assertEqual((seen["resources"]["A"]["quantity"], seen["effects"], seen["receipts"]), (10, 0, 0))
+        self.assertEqual(self.figures(), AFTER_APPLIED)  # the write did land, after the snapshot's view
 
 class CommandLine(Case):
     """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2/73."""
@@ -1050,8 +1099,8 @@ class DriverScenarios(unittest.TestCase):
         self.assertEqual(seven["safe_stale_rejected"]["after_go"]["quantities"], {"A": 10, "B": 2})
         for name, statuses in (("concurrent_distinct_ops", {"applied": 1, "stale": 15}),
                                ("concurrent_same_op", {"applied": 1, "replayed": 15})):
-            self.assertEqual((seven[name]["after_race"]["statuses"], seven[name]["after_race"]["effects"]),
-                             (statuses, 1))
+            self.assertEqual((seven[name]["after_race"]["statuses"], seven[name]["after_race"]["effects"],
+                              seven[name]["after_race"]["released_together"]), (statuses, 1, 8))
         self.assertEqual(seven["aba_revision"]["after_execute"]["revisions"]["A"], 3)
         self.assertEqual(seven["undeclared_dependency"]["after_execute"]["quantities"]["C"], 4)
         self.assertEqual({key.split(".")[0]: row["exit_code"] for key, row in seven["crash_points"].items()

@@ -233,6 +233,24 @@ def cli(*argv, stdin=b""):
     return code, out.decode("utf-8"), err.decode("utf-8")
 
 
+def answering(response):
+    """A tool child that is a real forked process but answers ``response`` (a dict, or a function of
+    the request) whatever it is asked: for answers a real tool would not give."""
+    module = types.ModuleType("stand_in_tool")
+
+    def main(argv):
+        request = json.loads(sys.stdin.buffer.readline())
+        answer = response(request) if callable(response) else response
+        sys.stdout.buffer.write(json.dumps(answer).encode("utf-8") + b"\n")
+        return 0
+    module.main = main
+
+    def start(argv):
+        with open(os.devnull, "wb") as quiet:
+            return run_experiment.fork_start(module, argv, stderr=quiet.fileno())
+    return start
+
+
 def unknown_external(ws, key="k1"):
     """A real unknown row: enqueued external at tick 0, claimed at 0 (lease until LEASE_TICKS), its
     tool child exits 73 before acting, so deliver() marks it unknown and clears both pids."""
@@ -422,6 +440,19 @@ class DatabaseFileTest(Case):
             self.assertEqual(os.listdir(parent), [os.path.basename(root)])
 
 
+    def test_snapshot_reads_one_state_even_while_another_process_writes(self):
+        with workspace() as ws:
+            class Between(sqlite3.Connection):  # another writer commits between snapshot's two reads
+                def execute(self, sql, *args):
+                    if sql.startswith("SELECT o.caller"):
+                        enqueue(ws, "k2")
+                    return super().execute(sql, *args)
+            enqueue(ws)
+            with contextlib.closing(sqlite3.connect(ws.path("sender"), factory=Between, isolation_level=None)) as c:
+                seen = reliability.snapshot(c)
+            self.assertEqual((seen["intent_rows"], len(seen["outbox"])), (1, 1))
+            self.assertEqual(counts(ws)["requests"], 2)
+
     def test_a_refused_open_leaves_the_database_and_a_foreign_wal_byte_for_byte(self):
         # Another database's -wal beside receiver.db: SQLite would apply its frames, and closing the
         # last read-write connection would checkpoint them into the file.  The check runs read-only.
@@ -471,10 +502,10 @@ class DatabaseFileTest(Case):
             ws.close()
             path, real = ws.path("receiver"), sqlite3.connect
 
-            def vanishing(*args, **kwargs):  # the file goes after every check, just before SQLite opens it
-                if os.path.exists(path):
+            def vanishing(database, *args, **kwargs):  # the file goes after every check, just before it is opened to write
+                if database.endswith("mode=rw") and os.path.exists(path):
                     os.remove(path)
-                return real(*args, **kwargs)
+                return real(database, *args, **kwargs)
             with mock.patch.object(reliability.sqlite3, "connect", vanishing), \
                     self.assertRaises(sqlite3.OperationalError) as caught:
                 reliability.connect(path)
@@ -666,6 +697,17 @@ class ReceiptTest(Case):
                 ws.external.execute(insert)
             with raw(ws.path("external")) as other:
                 self.assertEqual(other.execute("SELECT count(*) FROM tickets").fetchone()[0], 1)
+
+
+    def test_transaction_rolls_back_on_keyboard_interrupt_too(self):
+        # BaseException, as the article prints it: a Ctrl-C inside a transaction must not leave it open.
+        with workspace() as ws:
+            with self.assertRaises(KeyboardInterrupt):
+                with reliability.transaction(ws.receiver):
+                    ws.receiver.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES ('a', 'b', 'c', '{}')")
+                    raise KeyboardInterrupt
+            self.assertFalse(ws.receiver.in_transaction)
+            self.assertEqual(counts(ws)["tickets"], 0)
 
     def test_transaction_does_not_nest_and_the_failed_inner_begin_rolls_the_outer_one_back(self):
         with workspace() as ws:
@@ -1195,6 +1237,17 @@ class UnknownTest(Case):
             self.assertIsNone(reliability.claim(ws.sender, 1000))
             self.assertEqual(state(ws), ("unknown", 1))
 
+
+    def test_an_external_row_in_flight_inside_its_lease_is_left_alone(self):
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            reliability.claim(ws.sender, 0)  # leased until tick 10
+            for now in (0, 5, 9):
+                self.assertIsNone(reliability.claim(ws.sender, now))
+                self.assertEqual(state(ws), ("inflight", 1))
+            self.assertIsNone(reliability.claim(ws.sender, 10))  # the lease has ended: unknown, not resent
+            self.assertEqual(state(ws), ("unknown", 1))
+
     def test_retrying_an_unknown_call_anyway_duplicates_the_external_ticket(self):
         with workspace() as ws:
             enqueue(ws, mode="external")
@@ -1283,6 +1336,30 @@ class RecordedAttemptTest(Case):
             self.assertEqual(reliability.reconcile(ws.sender, tool_db, "agent", "k1", 11)["status"], "pending")
 
 
+
+    def test_an_external_reply_that_answers_another_request_makes_the_row_unknown(self):
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            row = reliability.claim(ws.sender, 0)
+            other = lambda request: {"caller": "agent", "key": "k2", "digest": row["digest"], "ticket_id": 1}
+            result = reliability.deliver(ws.sender, ws.root, row, start=answering(other))
+            self.assertEqual((result["exit_code"], result["acknowledged"], result["response"]), (0, False, None))
+            self.assertEqual((state(ws), pids(ws)), (("unknown", 1), (None, None)))  # it may have acted: never resent
+
+    def test_giving_up_an_attempt_changes_only_that_attempt_and_only_while_in_flight(self):
+        refusal = {"error": "conflict", "message": "another payload"}
+        with workspace() as ws:
+            enqueue(ws)
+            first = reliability.claim(ws.sender, 0)
+            reliability.claim(ws.sender, 11)  # attempt 2 holds the row now
+            reliability.deliver(ws.sender, ws.root, first, start=answering(refusal))  # attempt 1's late refusal
+            self.assertEqual((state(ws), outbox(ws)["response"]), (("inflight", 2), None))
+            done = receive(ws)
+            ws.close("receiver")
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, done), True)
+            reliability.deliver(ws.sender, ws.root, dict(first, attempt=2), start=answering(refusal))
+            self.assertEqual((state(ws), outbox(ws)["response"]), (("done", 2), done))  # done stays done
+
 class LiveChild:
     """A real child process that lives until end() closes its stdin and reaps it."""
 
@@ -1364,6 +1441,45 @@ class ReconcileTest(Case):
             self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)["status"], "pending")
             self.assertEqual((state(ws), pids(ws)), (("pending", 1), (None, None)))
 
+
+    def test_deliver_counts_itself_as_able_to_act_while_it_delivers(self):
+        # While deliver() runs its attempt, this process's own reconcile() must not take absence as proof.
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            row = reliability.claim(ws.sender, 0)
+            seen = []
+
+            def start(argv):  # as the tool child starts: the lease ends, a claim makes the row unknown
+                self.assertIsNone(reliability.claim(ws.sender, 10))
+                seen.append(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)["status"])
+                ws.close("external")  # the tool child opens it
+                return launcher()(argv)
+            reliability.deliver(ws.sender, ws.root, row, start=start)
+            self.assertEqual(seen, ["unknown"])
+            self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)["status"], "pending")
+
+    def test_reconcile_settles_only_the_unknown_attempt_it_looked_at(self):
+        with workspace() as ws:
+            unknown_external(ws)  # attempt 1 unknown; nobody can act for it any more
+            with contextlib.closing(sqlite3.connect(ws.path("external"), factory=ReconcilingConnection)) as tool:
+                # meanwhile: retried by a person, claimed again, and attempt 2 is unknown too
+                tool.before_lookup = lambda: (set_state(ws, "unknown"), ws.sender.execute(
+                    "UPDATE outbox SET attempts = 2, owner_pid = NULL"))
+                result = reliability.reconcile(ws.sender, tool, "agent", "k1", 1000)
+            self.assertEqual((result["status"], state(ws)), ("unknown", ("unknown", 2)))  # attempt 2 not touched
+
+    def test_reconcile_decides_who_may_still_act_before_it_looks_the_ticket_up(self):
+        # Absence proves nothing if a process could still act after the look-up: so who can act is
+        # decided first.  Here the tool child ends during the look-up; decided later, it would look gone.
+        with workspace() as ws:
+            unknown_external(ws)
+            tool_child = LiveChild(self)
+            set_pids(ws, None, tool_child.pid)
+            with contextlib.closing(sqlite3.connect(ws.path("external"), factory=ReconcilingConnection)) as tool:
+                tool.before_lookup = tool_child.end
+                self.assertEqual(reliability.reconcile(ws.sender, tool, "agent", "k1", 1000)["status"], "unknown")
+            self.assertEqual(reliability.reconcile(ws.sender, ws.external, "agent", "k1", 1000)["status"], "pending")
+
     def test_tickets_that_do_not_settle_it_leave_the_row_unknown_even_when_nobody_can_act(self):
         with workspace() as ws:
             for label, payloads in {"two tickets": [PAYLOAD, PAYLOAD], "other digest": [OTHER_PAYLOAD]}.items():
@@ -1419,6 +1535,12 @@ class ReconcileTest(Case):
         self.assertTrue(reliability._alive(os.getpid()))
         self.assertFalse(reliability._alive(4194304))  # above Linux's pid_max
 
+
+
+    @unittest.skipUnless(hasattr(os, "fork"), "asks from a forked child of another user")
+    def test_alive_counts_a_process_of_another_user_as_alive(self):
+        # kill(pid, 0) on another user's process raises PermissionError: it exists, so it may act.
+        self.assertIs(run_experiment.run_forked(_alive_as_nobody, os.getpid()), True)
 
 class ResolveTest(Case):
     """Beyond 第一篇: a person's decision on unknown or blocked, with an audit row never rewritten."""
@@ -1681,6 +1803,7 @@ class SchemaVersionTest(Case):
             self.assertIn(path, message)
             self.assertRegex(message, r"schema version 1\b.*\b2\b")
             self.assertEqual(file_bytes(path), content)
+            self.assertEqual(sorted(os.listdir(ws.root)), sorted(KINDS))  # no -wal or -shm made either
 
     def test_another_kind_or_version_is_refused_too(self):
         for pragma in ("application_id = 4242", "user_version = 3"):
@@ -1695,6 +1818,23 @@ class SchemaVersionTest(Case):
 def connect_error_as_another_user(path):
     """The text of what connect(path) raises in a forked child that is not root (uid/gid 65534 if we are)."""
     return run_experiment.run_forked(_connect_as_nobody, path)
+
+
+def _queue_once(database):
+    with contextlib.closing(reliability.connect(database)) as connection:
+        try:
+            with reliability.queued(connection, deadline=0):
+                return "in line and out"
+        except reliability.Busy:
+            return "busy"
+
+
+def _alive_as_nobody(pid):
+    if os.geteuid() == 0:  # root may signal anyone: become nobody first
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    return reliability._alive(pid)
 
 
 def _connect_as_nobody(path):
@@ -1767,6 +1907,18 @@ class QueueTest(Case):
                         receive(ws)
             self.assertEqual(counts(ws)["tickets"], 0)
             self.assertFalse(os.path.exists(ws.path("receiver") + "-queue"))  # refused before the lock file
+
+
+    @unittest.skipUnless(hasattr(os, "fork"), "another process tries the lock")
+    def test_leaving_queued_releases_the_lock_for_the_next_writer(self):
+        with workspace() as ws:
+            for outcome in ("left", "raised"):
+                with self.subTest(outcome), contextlib.suppress(RuntimeError):
+                    with reliability.queued(ws.receiver):
+                        if outcome == "raised":
+                            raise RuntimeError("the write failed")
+                # one try (deadline 0) from another process: Busy would mean the lock was kept
+                self.assertEqual(run_experiment.run_forked(_queue_once, ws.path("receiver")), "in line and out")
 
     def test_the_lock_dies_with_its_holder_although_its_forked_child_keeps_the_descriptor(self):
         import ctypes
@@ -2115,7 +2267,8 @@ class ResultsTest(unittest.TestCase):
                          ("unknown", 0))
         self.assertEqual(stage("after_external_effect", "after_restart", "sender_state", "external_tickets"),
                          ("unknown", 1))
-        self.assertEqual(stage("concurrent_claim", "after_race", "claim_winners"), (1,))
+        self.assertEqual(stage("concurrent_claim", "after_race", "claim_winners", "released_together"), (1, 8))
+        self.assertEqual(stage("concurrent_receiver", "after_race", "released_together"), (8,))
         self.assertEqual(stage("concurrent_claim", "after_stale_ack", "stale_ack"), ("refused",))
         self.assertEqual(stage("concurrent_receiver", "after_race", "receiver_tickets", "receiver_receipts",
                                "distinct_responses"), (1, 1, 1))
@@ -2307,6 +2460,57 @@ class DriverTest(unittest.TestCase):
             with self.assertRaisesRegex(RuntimeError, "did not all reach the barrier"):
                 with run_experiment.batch(run, [serve + ("--wait",), serve]) as children:  # one answers at once
                     run_experiment.race(children, request)
+
+    def test_check_exits_1_and_names_each_difference_a_changed_value_and_a_key_on_one_side_only(self):
+        with tempfile.TemporaryDirectory() as directory:
+            for label, tamper in (("changed", lambda stage: stage.update(receiver_tickets=2)),
+                                  ("missing", lambda stage: stage.pop("receiver_tickets")),
+                                  ("extra", lambda stage: stage.update(surplus=0))):
+                with self.subTest(label):
+                    expected = json.loads(json.dumps(RESULTS))
+                    tamper(expected["article_1"]["idempotent_lost_ack"]["after_recovery"])
+                    path = os.path.join(directory, label + ".json")
+                    with open(path, "w", encoding="utf-8") as handle:
+                        json.dump(expected, handle)
+                    code, out, _ = self.run_main("--check", path, "--only", "idempotent_lost_ack")
+                    self.assertEqual(code, 1, out)
+                    key = "surplus" if label == "extra" else "receiver_tickets"
+                    self.assertIn(f"differs: article_1.idempotent_lost_ack.after_recovery.{key}", out)
+                    self.assertIn("0/1 scenarios match", out)
+        self.assertEqual(run_experiment.differences({"x": {"a": 1, "b": 2}}, {"x": {"a": 1}}), [("x.b", 2, "<absent>")])
+        self.assertEqual(run_experiment.differences({"x": {"a": 1}}, {"x": {"a": 1, "b": 2}}), [("x.b", "<absent>", 2)])
+
+    def test_a_failed_invariant_fails_the_run_and_is_counted(self):
+        def breaks_its_invariant(run):
+            run.expect("the figure", 1, 2)
+        run_experiment.SCENARIOS["breaks_its_invariant"] = ("article_1", "a scenario that fails", breaks_its_invariant)
+        try:
+            code, out, _ = self.run_main("--only", "breaks_its_invariant")
+        finally:
+            del run_experiment.SCENARIOS["breaks_its_invariant"]
+        self.assertEqual(code, 1)
+        self.assertIn("invariant failed: the figure: expected 2, observed 1", out)
+        self.assertIn("0/1 scenarios hold their invariants", out)
+
+    def test_the_integrity_check_after_each_scenario_can_fail(self):
+        with tempfile.TemporaryDirectory() as directory:
+            with raw(os.path.join(directory, "keys.db")) as broken:  # a receipt whose ticket does not exist
+                for statement in reliability.SCHEMAS[RECEIVER]:
+                    broken.execute(statement)
+                broken.execute("INSERT INTO receipts VALUES ('a', 'k', 'd', 99, 0)")
+            pages = os.path.join(directory, "pages.db")
+            with raw(pages) as broken:
+                broken.execute("CREATE TABLE t (x TEXT)")
+                broken.execute("CREATE INDEX t_x ON t (x)")
+                broken.executemany("INSERT INTO t VALUES (?)", [(f"row {i}" * 20,) for i in range(200)])
+            with open(pages, "r+b") as handle:  # the last page overwritten: SQLite's own check must see it
+                handle.seek(-4096, os.SEEK_END)
+                handle.write(GARBAGE[:4096])
+            run = run_experiment.Run("integrity", directory)
+            run_experiment.check_integrity(run)
+        self.assertEqual(sorted(name for name, verdict in run.integrity.items() if verdict != "ok"),
+                         ["keys.db", "pages.db"])
+        self.assertEqual(len(run.failures), 2)
 
     def test_check_compares_json_types_so_one_is_not_true(self):
         self.assertEqual(run_experiment.differences({"a": 0, "b": 2, "c": [1]}, {"a": False, "b": 2.0, "c": [True]}),
