@@ -2,12 +2,23 @@
 
 Run with ``python3 test_reliability.py`` or ``python3 -X dev -W error -m unittest test_reliability``.
 Every test works on real SQLite files in a fresh temporary directory; crashes are real
-child processes that exit 73 at a named boundary: forked as the driver forks them
-(run_experiment.fork_start), or fresh interpreters where the command line itself is
-under test.  Two things only are simulated with unittest.mock, as the article says: a
-tool child that times out, and a batch of children whose start-up fails half way.  The
-driver tests come last: results.json's figures (run_experiment.py --check proves the
-live run equals it), the driver itself, and the five files alone.
+child processes that exit 73 at a named boundary.
+
+How the suite runs its children: most are forked, as the driver forks them
+(run_experiment.fork_start), and run the module's own command line, main(argv); a fork costs
+a few milliseconds where a fresh interpreter costs about 30.  The rule that buys it: the
+parent holds no SQLite connection to a file the child opens (SQLite's lock records would be
+copied into the child), so tests close theirs first (ws.close()), and on Linux fork_start
+checks the rule by inode through /proc/self/fd.  Fresh interpreters run only where the
+interpreter itself is under test: each module's real entry point once per exit code, the
+locale and strace tests, the five-file downloads, the copy kits, the walk-through, Ctrl-C.
+
+Races are forced, not hoped for: race() releases its forked racers together at barriers the
+test checks, its watchdog measures silence rather than work, and racers retry "database is
+locked" (which wrote nothing), so a loaded machine makes a race slower, never failed.  Two
+things only are simulated with unittest.mock, as the article says: a tool child that times
+out, and a fork that fails half way through a batch.  The driver tests come last: results.json's
+figures (run_experiment.py --check proves the live run equals it), the driver, the README.
 """
 import os
 import sys
