@@ -26,13 +26,16 @@ if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpre
     sys.exit(2)
 
 import argparse
+import atexit
 import contextlib
 import functools
+import glob
 import json
 import os
 import random
 import re
 import select
+import selectors
 import shlex
 import shutil
 import signal
@@ -1706,6 +1709,556 @@ def walk_through(block, folder, flags=()):
                               stderr=subprocess.STDOUT, timeout=WATCHDOG * 4)
     expected = [line[len("# → "):] for line in block.splitlines() if line.startswith("# → ")]
     return done.returncode, done.stdout.decode("utf-8"), expected
+
+
+# --- PostgreSQL, for the tests of the README's PostgreSQL edition ----------------------------
+# One throw-away cluster in a temporary folder for the whole test run: Unix socket only
+# (listen_addresses is empty), trust authentication, as uid 65534 when run as root.  The
+# server is a child of the test process and dies with it (PR_SET_PDEATHSIG), and pg_stop()
+# (also at exit, and on SIGTERM or SIGHUP) stops it and removes the folder.  pg_race()
+# starts one psql per script, holds every phase back on an advisory lock until pg_locks
+# shows all of them waiting, then releases them together.  Standard library only: the
+# server and every client are real processes driven through their command lines.
+
+PG_SUPERUSER = "tester"           # initdb's superuser; trust authentication on the socket only
+PG_NOBODY = (65534, 65534)        # uid, gid the server runs as when the tests run as root
+PG_START_TIMEOUT = 60.0           # seconds initdb plus start-up may take
+PG_WATCHDOG = 120.0               # seconds a session or race may take: only a hung client meets it
+PG_POLL = 0.002                   # seconds between two looks at pg_locks while clients gather
+PG_BARRIER_CLASS = 7300           # first advisory-lock class of the barriers; one class per race
+PG_FOLDER_PREFIX = "reliability-pg-"
+PG_SEPARATOR = "\x1f"             # psql field separator: never in our values
+PR_SET_PDEATHSIG = 1           # linux/prctl.h
+_pg_races = [0]
+_pg_shared = []
+_pg_running = []  # clusters started and not stopped yet: stopped on SIGTERM or SIGHUP too
+_pg_clients = set()  # psql processes not reaped yet: killed and reaped on SIGTERM or SIGHUP
+
+
+def pg_bindir():
+    """The folder holding initdb, pg_ctl, postgres and psql, or None."""
+    folders = []
+    initdb = shutil.which("initdb")
+    if initdb:
+        folders.append(os.path.dirname(os.path.realpath(initdb)))
+    numbers = lambda path: [int(n) for n in re.findall(r"\d+", path)]
+    folders += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=numbers, reverse=True)
+    for folder in folders:
+        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "pg_ctl", "postgres", "psql")):
+            return folder
+    return None
+
+
+def _pg_tied(uid=None, gid=None, death_signal=signal.SIGKILL):
+    """A preexec_fn: drop to uid/gid if given, THEN ask for death_signal when we die.
+
+    The order matters: the kernel clears the parent-death signal on a credential
+    change.  A child whose parent is already gone exits before it runs anything.
+    """
+    import ctypes  # loaded here, before the fork: the child only calls it
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def preexec():
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+        if libc.prctl(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
+
+
+class PgCluster:
+    """What a running throw-away cluster is made of; see start_cluster()."""
+
+    def __init__(self, bindir, folder):
+        self.bindir, self.folder = bindir, folder
+        self.socket = folder  # unix_socket_directories
+        self.data = os.path.join(folder, "data")
+        self.log = os.path.join(folder, "server.log")
+        self.process = None
+        self.started_in = None  # seconds, initdb included
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pg_stop(self)
+
+
+def pg_start(bindir=None):
+    """initdb and start a server in a new temporary folder; returns a Cluster.
+
+    The folder, the data and the server belong to uid 65534 when we are root.
+    Anything that fails on the way stops and removes what was started.
+    """
+    started = time.monotonic()
+    bindir = bindir or pg_bindir()
+    if bindir is None:
+        raise FileNotFoundError("initdb, pg_ctl, postgres and psql not found")
+    _pg_remove_stale()
+    cluster = PgCluster(bindir, tempfile.mkdtemp(prefix=PG_FOLDER_PREFIX, dir=_pg_base()))
+    try:
+        with open(os.path.join(cluster.folder, "owner.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        uid = gid = None
+        if os.geteuid() == 0:
+            uid, gid = PG_NOBODY
+            os.chown(cluster.folder, uid, gid)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", "TZ": "UTC"}
+        with open(cluster.log, "ab") as log:
+            subprocess.run([os.path.join(bindir, "initdb"), "-D", cluster.data, "-U", PG_SUPERUSER, "-A", "trust",
+                            "-E", "UTF8", "--locale=C", "--no-sync"], stdin=subprocess.DEVNULL, stdout=log,
+                           stderr=log, env=env, cwd=cluster.folder, check=True, timeout=PG_START_TIMEOUT,
+                           preexec_fn=_pg_tied(uid, gid))
+            # SIGQUIT on our death: an immediate shutdown, which also frees its shared memory.
+            cluster.process = subprocess.Popen(
+                [os.path.join(bindir, "postgres"), "-D", cluster.data, "-k", cluster.socket,
+                 "-c", "listen_addresses=", "-c", "fsync=off", "-c", "synchronous_commit=off",
+                 "-c", "full_page_writes=off", "-c", "max_connections=60", "-c", "deadlock_timeout=100ms",
+                 "-c", "dynamic_shared_memory_type=mmap", "-c", "autovacuum=off"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=cluster.folder,
+                preexec_fn=_pg_tied(uid, gid, signal.SIGQUIT))
+        _pg_ready(cluster, started + PG_START_TIMEOUT)
+    except BaseException:
+        pg_stop(cluster)
+        raise
+    atexit.register(pg_stop, cluster)
+    _pg_running.append(cluster)
+    _pg_stop_on_signals()
+    cluster.started_in = time.monotonic() - started
+    return cluster
+
+
+def _pg_base():
+    # A memory file system when it has room (initdb writes ~40 MB, mostly catalogue files).
+    for base in ("/dev/shm", tempfile.gettempdir(), "/tmp"):
+        try:
+            space = os.statvfs(base)
+        except OSError:
+            continue
+        if len(base) <= 60 and os.access(base, os.W_OK) and space.f_bavail * space.f_frsize >= 1 << 30:
+            return base  # a socket path must stay under 108 bytes
+    return tempfile.gettempdir()
+
+
+def _pg_ready(cluster, deadline):
+    # postmaster.pid's eighth line reads "ready" once the server accepts connections.
+    pidfile = os.path.join(cluster.data, "postmaster.pid")
+    while True:
+        if cluster.process.poll() is not None:
+            raise RuntimeError(f"postgres exited with {cluster.process.returncode}:\n{_pg_tail(cluster.log)}")
+        try:
+            with open(pidfile) as f:
+                lines = f.read().split("\n")
+            if len(lines) > 7 and lines[7].strip() == "ready":
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"postgres not ready after {PG_START_TIMEOUT:g} s:\n{_pg_tail(cluster.log)}")
+        time.sleep(0.01)
+
+
+def _pg_stop_on_signals():
+    # SIGKILL cannot be caught: then the server dies by its parent-death signal, and the
+    # folder is removed by the next start_cluster() (remove_stale_folders).
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _pg_stop_and_die)
+
+
+def _pg_stop_and_die(signum, frame):
+    for client in list(_pg_clients):
+        client.kill()
+        client.wait()
+    for cluster in list(_pg_running):
+        pg_stop(cluster)
+    # A client started while the signal came may not be registered yet: with the server
+    # gone it exits at once, and is reaped here rather than left to init.
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def pg_stop(cluster):
+    """Stop the server (fast shutdown, then SIGKILL) and remove the folder; safe to call twice."""
+    if cluster in _pg_running:
+        _pg_running.remove(cluster)
+    process, cluster.process = cluster.process, None
+    if process is not None:
+        try:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)  # fast shutdown: sessions are ended, not waited for
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        finally:
+            shutil.rmtree(cluster.folder, ignore_errors=True)
+    elif os.path.isdir(cluster.folder):
+        shutil.rmtree(cluster.folder, ignore_errors=True)
+
+
+def pg_cluster():
+    """One cluster for the whole test process, started on first use, stopped at exit."""
+    if not _pg_shared:
+        _pg_shared.append(pg_start())
+    return _pg_shared[0]
+
+
+def _pg_remove_stale():
+    """Remove folders an earlier run left behind (it was killed) whose owner is gone."""
+    for folder in set(glob.glob(os.path.join(tempfile.gettempdir(), PG_FOLDER_PREFIX + "*")) +
+                      glob.glob("/dev/shm/" + PG_FOLDER_PREFIX + "*") + glob.glob("/tmp/" + PG_FOLDER_PREFIX + "*")):
+        try:
+            with open(os.path.join(folder, "owner.pid")) as f:
+                owner = int(f.read())
+            os.kill(owner, 0)
+        except ProcessLookupError:  # the owner is gone: nobody uses the folder (its server died with it)
+            postmaster = os.path.join(folder, "data", "postmaster.pid")
+            if not os.path.exists(postmaster) or not _pg_alive_pidfile(postmaster):
+                shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):  # unreadable, half-written or alive: leave it
+            pass
+
+
+def _pg_alive_pidfile(path):
+    try:
+        with open(path) as f:
+            os.kill(int(f.readline()), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def _pg_tail(path, lines=20):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# Clients need no parent-death signal: the server dies with us, and psql exits when its
+# connection closes (a preexec_fn would also cost a fork per client instead of a vfork).
+
+def _pg_psql_command(cluster, database, *extra):
+    return [os.path.join(cluster.bindir, "psql"), "-X", "-q", "-A", "-t", "-F", PG_SEPARATOR,
+            "-v", "ON_ERROR_STOP=1", "-h", cluster.socket, "-U", PG_SUPERUSER, "-d", database, *extra]
+
+
+def _pg_env():
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", "PGCLIENTENCODING": "UTF8",
+            "PGCONNECT_TIMEOUT": "30"}
+
+
+def pg_psql(cluster, database, sql, timeout=PG_WATCHDOG):
+    """Run sql (a script, as printed) in one psql; its output lines, or RuntimeError with its stderr."""
+    process = subprocess.Popen(_pg_psql_command(cluster, database), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=_pg_env())
+    _pg_clients.add(process)
+    try:
+        out, err = process.communicate(sql.encode("utf-8"), timeout=timeout)
+    finally:
+        if process.poll() is None:  # timed out or interrupted
+            process.kill()
+            process.communicate()
+        _pg_clients.discard(process)
+    if process.returncode != 0:
+        raise RuntimeError(f"psql exited with {process.returncode}: {err.decode('utf-8', 'replace')}")
+    return out.decode("utf-8").splitlines()
+
+
+class PgSession:
+    """One psql process kept open: query() sends SQL and returns the rows it printed.
+
+    Any error ends the session (ON_ERROR_STOP) and raises RuntimeError; a reply that
+    does not come within WATCHDOG seconds kills it.
+    """
+
+    def __init__(self, cluster, database):
+        self.cluster, self.database = cluster, database
+        self.errors = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(_pg_psql_command(cluster, database), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.errors, env=_pg_env())
+        _pg_clients.add(self.process)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.process.stdout, selectors.EVENT_READ)
+        self.buffer = b""
+        self.sent = 0
+
+    def query(self, sql, timeout=PG_WATCHDOG):
+        """Rows (lists of fields, as text) that sql printed; NULL prints as ''."""
+        self.sent += 1
+        marker = f"__reply_{self.sent}__"
+        sql = sql.strip()
+        if not sql.endswith(";"):
+            sql += ";"
+        try:
+            self.process.stdin.write(f"{sql}\n\\echo {marker}\n".encode("utf-8"))
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            self._failed("psql session had ended")
+        lines, deadline = [], time.monotonic() + timeout
+        while True:
+            line = self._readline(deadline)
+            if line == marker:
+                return [line.split(PG_SEPARATOR) for line in lines]
+            lines.append(line)
+
+    def value(self, sql):
+        rows = self.query(sql)
+        if len(rows) != 1 or len(rows[0]) != 1:
+            raise AssertionError(f"expected one value from {sql!r}, got {rows!r}")
+        return rows[0][0]
+
+    def _readline(self, deadline):
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.selector.select(left):
+                self.process.kill()
+                self._failed("watchdog: no reply within the time-out")
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                self._failed("psql session ended")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode("utf-8")
+
+    def _failed(self, what):
+        self.process.wait()
+        self.errors.seek(0)
+        raise RuntimeError(f"{what}: {self.errors.read().decode('utf-8', 'replace').strip()}")
+
+    def close(self):
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        _pg_clients.discard(self.process)
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except BrokenPipeError:
+                pass
+        self.selector.close()
+        self.errors.close()
+
+
+def pg_race(session, scripts, *, before=None, after=None, timeout=PG_WATCHDOG):
+    """Run one psql client per script, released together at the start of every phase.
+
+    scripts[i][p] is client i's SQL for phase p.  The controlling ``session`` holds an
+    advisory lock per phase; every client waits for it (pg_advisory_lock_shared), and
+    only when pg_locks shows exactly len(scripts) sessions waiting on it is it
+    released: every client has finished the phase before.  ``before(p)`` runs just
+    before phase p is released, ``after(p)`` once every client has finished it (both
+    in ``session``, which may verify and prepare).  Returns outputs[i][p], the lines
+    client i printed in phase p.  A client that fails or exits early fails the race at
+    once; the watchdog kills clients that hang; every client is reaped either way.
+    """
+    count, phases = len(scripts), len(scripts[0])
+    assert all(len(script) == phases for script in scripts), "every client takes part in every phase"
+    _pg_races[0] += 1
+    key = PG_BARRIER_CLASS + _pg_races[0]
+    deadline = time.monotonic() + timeout
+    folder = tempfile.mkdtemp(prefix="race-", dir=session.cluster.folder)  # removed with the cluster
+    clients = []
+    session.query(f"SELECT pg_advisory_lock({key}, p) FROM generate_series(0, {phases - 1}) p")
+    try:
+        for i, script in enumerate(scripts):
+            text = "".join(f"DO $$ BEGIN PERFORM pg_advisory_lock_shared({key}, {p});"
+                           f" PERFORM pg_advisory_unlock_shared({key}, {p}); END $$;\n"
+                           f"\\echo @@phase {p}\n{sql.strip()}\n" for p, sql in enumerate(script))
+            path = os.path.join(folder, f"client-{i}")
+            with open(path + ".sql", "w", encoding="utf-8") as f:
+                f.write(text)
+            with open(path + ".out", "wb") as out, open(path + ".err", "wb") as err:
+                clients.append(subprocess.Popen(_pg_psql_command(session.cluster, session.database, "-f", path + ".sql"),
+                                                stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                                env=_pg_env()))
+                _pg_clients.add(clients[-1])
+        for p in range(phases):
+            _pg_gather(session, key, p, clients, folder, deadline)
+            if p and after:
+                after(p - 1)
+            if before:
+                before(p)
+            session.query(f"SELECT pg_advisory_unlock({key}, {p})")
+        for i, client in enumerate(clients):
+            try:
+                client.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"watchdog: client {i} still running after {timeout:g} s") from None
+            if client.returncode != 0:
+                raise AssertionError(f"client {i} exited with {client.returncode}: {_pg_read(folder, i, 'err')}")
+        if after:
+            after(phases - 1)
+        return [_pg_phases(_pg_read(folder, i, "out"), phases) for i in range(count)]
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+            client.wait()
+            _pg_clients.discard(client)
+        if session.process.poll() is None:
+            session.query("SELECT pg_advisory_unlock_all()")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pg_gather(session, key, phase, clients, folder, deadline):
+    """Wait until exactly len(clients) sessions wait on the phase's lock (a barrier, not a sleep)."""
+    while True:
+        waiting = int(session.value(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            f" AND classid = {key} AND objid = {phase} AND objsubid = 2"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"))
+        if waiting == len(clients):
+            return
+        if waiting > len(clients):
+            raise AssertionError(f"{waiting} sessions wait at phase {phase}, more than the {len(clients)} clients")
+        for i, client in enumerate(clients):
+            if client.poll() is not None:
+                raise AssertionError(f"client {i} exited with {client.returncode} before phase {phase}: "
+                                     f"{_pg_read(folder, i, 'err')}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"watchdog: only {waiting} of {len(clients)} clients reached phase {phase}")
+        time.sleep(PG_POLL)
+
+
+def _pg_read(folder, i, what):
+    with open(os.path.join(folder, f"client-{i}.{what}"), "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def _pg_phases(text, phases):
+    out = [[] for _ in range(phases)]
+    current = None
+    for line in text.splitlines():
+        if line.startswith("@@phase "):
+            current = int(line.split()[1])
+        elif current is not None:
+            out[current].append(line)
+    return out
+
+
+
+PG_SKIP = ("PostgreSQL not found: install postgresql (Debian: apt-get install postgresql) to run these tests"
+        " (initdb, pg_ctl, postgres, psql on PATH or in /usr/lib/postgresql/*/bin)")
+_pg_skip_said = []
+_pg_databases = [0]
+
+# A test-side helper (not README SQL): the SQLSTATE a statement raises, '00000' if none;
+# whatever it did is rolled back with its exception block.
+PG_SQLSTATE_OF = """CREATE FUNCTION pg_temp.sqlstate_of(statement text) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE statement;
+    RAISE EXCEPTION USING ERRCODE = 'P0009';
+EXCEPTION WHEN OTHERS THEN
+    RETURN CASE SQLSTATE WHEN 'P0009' THEN '00000' ELSE SQLSTATE END;
+END $$"""
+
+
+def pg_blocks(article):
+    """The ```sql blocks of README.md whose first line names ``article`` (1 or 7), as printed."""
+    return [block for block in readme_blocks("sql")
+            if re.match(r"-- \S+ articles? (\d+ and )?\d+: ", block)
+            and str(article) in re.match(r"-- \S+ articles? ([\d and]+):", block).group(1).split(" and ")]
+
+
+def pg_literal(value):
+    """A SQL literal: NULL, an integer, a string, or anything else as jsonb."""
+    if value is None:
+        return "NULL"
+    if type(value) is int:
+        return str(value)
+    if type(value) is str:
+        return "'" + value.replace("'", "''") + "'"
+    return pg_literal(json.dumps(value, ensure_ascii=False)) + "::jsonb"
+
+
+def pg_call(function, *args):
+    return f"SELECT {function}({', '.join(map(pg_literal, args))});"
+
+
+def pg_answers(outputs, phase):
+    """Each client's one printed value in ``phase``, parsed as JSON where it is JSON."""
+    values = []
+    for i, client in enumerate(outputs):
+        lines = client[phase]
+        if len(lines) != 1:
+            raise AssertionError(f"client {i} printed {lines!r} in phase {phase}, not one line")
+        values.append(json.loads(lines[0]) if lines[0][:1] in ("{", "[") else lines[0])
+    return values
+
+
+def pg_statuses(values):
+    return sorted(value["status"] for value in values)
+
+
+def pg_prepare(cls, article):
+    """Start (or reuse) the cluster and load the article's blocks, as printed, into a template."""
+    if pg_bindir() is None:
+        if not _pg_skip_said:
+            _pg_skip_said.append(True)
+            sys.stderr.write(PG_SKIP + "\n")
+        import unittest
+        raise unittest.SkipTest(PG_SKIP)
+    cls.cluster = pg_cluster()
+    cls.template = f"article{article}"
+    pg_psql(cls.cluster, "postgres", f"CREATE DATABASE {cls.template}")
+    for block in pg_blocks(article):
+        pg_psql(cls.cluster, cls.template, block)
+
+
+def pg_open(case):
+    """A fresh copy of the class's template and a session on it, closed after the test."""
+    _pg_databases[0] += 1
+    name = f"{case.template}_{_pg_databases[0]}"
+    pg_psql(case.cluster, "postgres", f"CREATE DATABASE {name} TEMPLATE {case.template}")
+    case.session = PgSession(case.cluster, name)
+    case.addCleanup(case.session.close)
+    case.session.query(PG_SQLSTATE_OF)
+
+
+# Test-side too: the README's retry rule for 23505 at READ COMMITTED, as a subtransaction
+# (each try's statements see what committed meanwhile, as a client's new call would).
+PG_RETRY_23505 = """CREATE FUNCTION retrying(statement text) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    answer jsonb;
+BEGIN
+    FOR attempt IN 1 .. 8 LOOP
+        BEGIN
+            EXECUTE statement INTO answer;
+            RETURN answer;
+        EXCEPTION WHEN unique_violation THEN
+            IF attempt = 8 THEN
+                RAISE;
+            END IF;
+        END;
+    END LOOP;
+END $$"""
+
+
+def pg_sqlstate(session, statement):
+    return session.value(f"SELECT pg_temp.sqlstate_of({pg_literal(statement)})")
 
 
 # --- results, comparison and the command line ------------------------------------------

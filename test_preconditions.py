@@ -905,6 +905,277 @@ class CommandLine(Case):
         self.assertEqual(json.loads(cli("snapshot", db)[1])["receipts"], 1)
 
 
+# === beyond 第七篇: the PostgreSQL edition in README.md, against a real server ===
+# The README's ```sql blocks for article 7, loaded as printed into a throw-away cluster
+# (run_experiment.pg_start: Unix socket only, as nobody when run as root, stopped and removed at
+# exit); each race releases 16 psql clients together at an advisory-lock barrier the test sees
+# in pg_locks, for 10 rounds; assertions are counts and statuses.  Without PostgreSQL they skip.
+
+PG_CLIENTS, PG_ROUNDS = 16, 10
+PG_MAX_INT64 = pre.MAX_INT64
+PG_FILLER = 500  # receipts a racing purge deletes besides the replayed one: a purge long enough to overlap
+
+
+def pg_plan(src, dst, amount, expected_src, expected_dst):
+    return {"src": src, "dst": dst, "amount": amount, "expected": {src: expected_src, dst: expected_dst}}
+
+
+class PostgresArticle7Test(unittest.TestCase):
+    """第七篇 in PostgreSQL: execute, change and purge under 16 racing clients."""
+
+    @classmethod
+    def setUpClass(cls):
+        run_experiment.pg_prepare(cls, 7)
+
+    def setUp(self):
+        run_experiment.pg_open(self)
+
+    def rows(self, sql):
+        return self.session.query(sql)
+
+    def resources(self, **quantities):
+        self.session.query("INSERT INTO resources VALUES " +
+                           ", ".join(f"({run_experiment.pg_literal(name)}, {q}, 1)" for name, q in sorted(quantities.items())))
+
+    def resource(self, name):
+        return tuple(map(int, self.rows(f"SELECT quantity, revision FROM resources WHERE name = {run_experiment.pg_literal(name)}")[0]))
+
+    def test_16_distinct_ops_on_one_snapshot_give_1_applied_and_15_stale_in_both_directions(self):
+        self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)})
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r in range(PG_ROUNDS):
+            a, b = f"A{r}", f"B{r}"
+            for i in range(PG_CLIENTS):
+                scripts[i].append(run_experiment.pg_call("execute", f"d{r}-{i}", pg_plan(a, b, 3, 1, 1), r, r))
+                mixed = pg_plan(a, b, 1, 2, 2) if i < 8 else pg_plan(b, a, 1, 2, 2)  # A->B and B->A at once
+                scripts[i].append(run_experiment.pg_call("execute", f"m{r}-{i}", mixed, r, r))
+        outputs = run_experiment.pg_race(self.session, scripts)
+        for r in range(PG_ROUNDS):
+            a, b = f"A{r}", f"B{r}"
+            first = run_experiment.pg_answers(outputs, 2 * r)
+            self.assertEqual(run_experiment.pg_statuses(first), ["applied"] + ["stale"] * 15)
+            self.assertIn({"status": "applied", "revisions": {a: 2, b: 2}, "quantities": {a: 7, b: 3}}, first)
+            self.assertEqual(first.count({"status": "stale", "observed": {a: 2, b: 2}}), 15)
+            second = run_experiment.pg_answers(outputs, 2 * r + 1)
+            self.assertEqual(run_experiment.pg_statuses(second), ["applied"] + ["stale"] * 15)
+            winner = next(i for i, x in enumerate(second) if x["status"] == "applied")
+            self.assertEqual(self.resource(a), (6, 3) if winner < 8 else (8, 3))
+            self.assertEqual(self.resource(b), (4, 3) if winner < 8 else (2, 3))
+            self.assertEqual(self.rows(f"SELECT count(*) FROM effects WHERE src IN ('{a}', '{b}')"), [["2"]])
+        self.assertEqual(self.rows("SELECT count(*) FROM receipt"), [[str(2 * PG_CLIENTS * PG_ROUNDS)]])
+
+    def test_16_copies_of_one_op_give_1_applied_and_15_replayed_and_a_23505_retried_answers_right(self):
+        self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)},
+                       **{f"P{r}-{n}-{i}{end}": 10 for r in range(PG_ROUNDS) for n in range(3) for i in range(PG_CLIENTS)
+                          for end in "ab"})
+        pairs = 3  # phases of one op on 16 pairs of rows per round: each catches a history read in two statements
+        self.session.query(run_experiment.PG_RETRY_23505)
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r in range(PG_ROUNDS):
+            for i in range(PG_CLIENTS):
+                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), r, r))
+                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", pg_plan(f"A{r}", f"B{r}", 4, 1, 1), r, r))
+                # One op on 16 pairs of rows, then on missing rows: 23505, retried as the README says.
+                for n in range(pairs):
+                    pair = pg_plan(f"P{r}-{n}-{i}a", f"P{r}-{n}-{i}b", 1, 1, 1)
+                    scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("execute", f"pair{r}-{n}", pair, r, r).rstrip(";")))
+                scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("execute", f"gone{r}", pg_plan(f"X{r}", f"Y{r}", 1, 1, 1),
+                                                        r, r).rstrip(";")))
+        outputs = run_experiment.pg_race(self.session, scripts)
+        phases = 3 + pairs
+        for r in range(PG_ROUNDS):
+            a, b = f"A{r}", f"B{r}"
+            applied = {"status": "applied", "revisions": {a: 2, b: 2}, "quantities": {a: 7, b: 3}}
+            self.assertEqual(sorted(run_experiment.pg_answers(outputs, phases * r), key=lambda a: a["status"]),
+                             [applied] + [{"status": "replayed", "result": applied}] * 15)
+            self.assertEqual(run_experiment.pg_answers(outputs, phases * r + 1), [{"status": "conflict"}] * PG_CLIENTS)
+            self.assertEqual((self.resource(a), self.resource(b)), ((7, 2), (3, 2)))
+            for n in range(pairs):
+                decided = run_experiment.pg_answers(outputs, phases * r + 2 + n)
+                self.assertEqual(run_experiment.pg_statuses(decided), ["applied"] + ["conflict"] * 15, f"round {r}, pair phase {n}")
+            missing = {"status": "missing_resource", "missing": [f"X{r}", f"Y{r}"]}
+            self.assertEqual(sorted(run_experiment.pg_answers(outputs, phases * r + 2 + pairs), key=lambda a: a["status"]),
+                             [missing] + [{"status": "replayed", "result": missing}] * 15)
+        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
+                         [[str((1 + pairs) * PG_ROUNDS), str((2 + pairs) * PG_ROUNDS)]])
+
+    def test_change_loses_no_update_runs_once_per_op_and_a_change_between_plan_and_execute_makes_it_stale(self):
+        self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)},
+                       **{f"C{r}": 100 for r in range(PG_ROUNDS)}, **{f"D{r}": 10 for r in range(PG_ROUNDS)},
+                       **{f"R{r}-{n}-{i}": 10 for r in range(PG_ROUNDS) for n in range(3) for i in range(PG_CLIENTS)})
+        self.session.query(run_experiment.PG_RETRY_23505)
+        spreads = 3  # phases of one change op sent for 16 rows per round
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r in range(PG_ROUNDS):
+            a, b, c, d = f"A{r}", f"B{r}", f"C{r}", f"D{r}"
+            for i in range(PG_CLIENTS):
+                scripts[i].append(run_experiment.pg_call("change", f"inc{r}-{i}", c, 1, r, r))  # 16 distinct changes of one row
+                scripts[i].append(run_experiment.pg_call("change", f"once{r}", c, 5, r, r))      # 16 copies of one change
+                scripts[i].append(run_experiment.pg_call("change", f"b{r}-{i}", b, 2, r, r) if i < 8 else  # changes race plans
+                                  run_experiment.pg_call("execute", f"p{r}-{i}", pg_plan(a, b, 3, 1, 1), r, r))
+                late = pg_plan(d, b, 3, 1, 1) if i < 8 else pg_plan(b, d, 3, 1, 1)  # planned before B changed
+                scripts[i].append(run_experiment.pg_call("execute", f"late{r}-{i}", late, r, r))
+                # One change op sent for 16 rows: one is changed, the 15 others conflict (after 23505).
+                for n in range(spreads):
+                    scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("change", f"spread{r}-{n}", f"R{r}-{n}-{i}", 1, r,
+                                                            r).rstrip(";")))
+        outputs = run_experiment.pg_race(self.session, scripts)
+        for r in range(PG_ROUNDS):
+            a, b, c, d = f"A{r}", f"B{r}", f"C{r}", f"D{r}"
+            increments = run_experiment.pg_answers(outputs, (4 + spreads) * r)
+            self.assertEqual(sorted((x["status"], x["revision"], x["quantity"]) for x in increments),
+                             [("changed", 2 + n, 101 + n) for n in range(16)], "no lost update")
+            once = {"status": "changed", "name": c, "quantity": 121, "revision": 18}
+            self.assertEqual(sorted(run_experiment.pg_answers(outputs, (4 + spreads) * r + 1), key=lambda a: a["status"]),
+                             [once] + [{"status": "replayed", "result": once}] * 15)
+            racing = run_experiment.pg_answers(outputs, (4 + spreads) * r + 2)
+            changes, plans = racing[:8], racing[8:]
+            applied = [x for x in plans if x["status"] == "applied"]
+            self.assertLessEqual(len(applied), 1)
+            self.assertEqual(run_experiment.pg_statuses(changes), ["changed"] * 8)
+            self.assertEqual(run_experiment.pg_statuses(plans), sorted(["applied"] * len(applied) + ["stale"] * (8 - len(applied))))
+            revisions = sorted([x["revision"] for x in changes] + [x["revisions"][b] for x in applied])
+            self.assertEqual(revisions, list(range(2, 10 + len(applied))), "every revision of B made once")
+            self.assertEqual(self.resource(b), (16 + 3 * len(applied), 9 + len(applied)))
+            self.assertEqual(self.resource(a), (10 - 3 * len(applied), 1 + len(applied)))
+            self.assertEqual(self.resource(c), (121, 18))
+            late = run_experiment.pg_answers(outputs, (4 + spreads) * r + 3)
+            self.assertEqual(late, [{"status": "stale", "observed": {d: 1, b: 9 + len(applied)}}] * PG_CLIENTS)
+            self.assertEqual(self.resource(d), (10, 1))
+            self.assertEqual(self.rows(f"SELECT count(*) FROM effects WHERE dst = '{b}'"), [[str(len(applied))]])
+            for n in range(spreads):
+                self.assertEqual(run_experiment.pg_statuses(run_experiment.pg_answers(outputs, (4 + spreads) * r + 4 + n)), ["changed"] + ["conflict"] * 15)
+                self.assertEqual(self.rows(f"SELECT sum(quantity), sum(revision) FROM resources"
+                                           f" WHERE name LIKE 'R{r}-{n}-%'"), [[str(10 * PG_CLIENTS + 1), str(PG_CLIENTS + 1)]])
+        self.assertEqual(self.rows("SELECT count(*) FROM changes"), [[str(PG_ROUNDS * (16 + 1 + 8 + spreads))]])
+
+    def test_after_a_purge_an_op_issued_before_the_mark_is_expired_and_purges_never_move_it_back(self):
+        ticks = [1000 * (r + 1) for r in range(PG_ROUNDS)]
+        self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)},
+                       **{f"C{r}": 5 for r in range(PG_ROUNDS)})
+        decided = {}
+        for r, t in enumerate(ticks):
+            for op, statement in ((f"x{r}", run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t)),
+                                  (f"s{r}", run_experiment.pg_call("execute", f"s{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t)),
+                                  (f"c{r}", run_experiment.pg_call("change", f"c{r}", f"C{r}", -1, t, t))):
+                decided[op] = json.loads(self.session.value(statement))
+        self.session.query(f"INSERT INTO receipt SELECT 'filler-' || n, 'd', '{{}}', 1000 * (1 + n % {PG_ROUNDS})"
+                           f" FROM generate_series(1, {PG_FILLER * PG_ROUNDS}) n")
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r, t in enumerate(ticks):
+            x, s, c = (run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t + 600),
+                       run_experiment.pg_call("execute", f"s{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t + 600),
+                       run_experiment.pg_call("change", f"c{r}", f"C{r}", -1, t, t + 600))
+            racing = [run_experiment.pg_call("purge", t + 500 + i + 1, 500) for i in range(8)] + [x] * 3 + [s] * 3 + [c] * 2
+            after = ([x] * 3 + [run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t + 9, t + 600)] * 2
+                     + [s] * 3 + [c] * 2
+                     + [run_experiment.pg_call("execute", f"n{r}-{i}", pg_plan(f"A{r}", f"B{r}", 1, 2, 2), t, t + 600) for i in range(4)]
+                     + [run_experiment.pg_call("execute", f"f{r}-{i}", pg_plan(f"A{r}", f"B{r}", 1, 2, 2), t + 9, 10 ** 6)
+                        for i in range(2)])  # written at a tick no later purge reaches
+            for i in range(PG_CLIENTS):
+                scripts[i] += [racing[i], after[i]]
+
+        def check(phase):
+            r, t = phase // 2, ticks[phase // 2]
+            if phase % 2 == 0:
+                self.assertEqual(self.session.value("SELECT low_water FROM retention"), str(t + 8), "the highest mark")
+                self.assertEqual((self.resource(f"A{r}"), self.resource(f"B{r}"), self.resource(f"C{r}")),
+                                 ((7, 2), (3, 2), (4, 2)), "nothing decided twice")
+        outputs = run_experiment.pg_race(self.session, scripts, after=check)
+        for r, t in enumerate(ticks):
+            racing = run_experiment.pg_answers(outputs, 2 * r)
+            purged = [a for a in racing[:8] if a["status"] == "purged"]
+            self.assertEqual(sum(a["deleted"] for a in purged), 3 + PG_FILLER, "each receipt deleted once")
+            for i, a in enumerate(racing[:8]):
+                if a["status"] == "backwards":
+                    self.assertGreater(a["low_water"], t + i + 1)
+                else:
+                    self.assertEqual(a["low_water"], t + i + 1)
+            for op, a in zip([f"x{r}"] * 3 + [f"s{r}"] * 3 + [f"c{r}"] * 2, racing[8:]):
+                self.assertIn(a, ({"status": "replayed", "result": decided[op]},
+                                  {"status": "expired", "low_water": a.get("low_water")}))
+            late = run_experiment.pg_answers(outputs, 2 * r + 1)
+            self.assertEqual(late[:14], [{"status": "expired", "low_water": t + 8}] * 14)
+            self.assertEqual(run_experiment.pg_statuses(late[14:]), ["applied", "stale"])
+            self.assertEqual(self.rows(f"SELECT count(*) FROM receipt WHERE op IN ('x{r}', 's{r}', 'c{r}')"
+                                       f" OR op LIKE 'n{r}-%'"), [["0"]])
+        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM changes),"
+                                   " (SELECT count(*) FROM receipt)"), [[str(2 * PG_ROUNDS), str(PG_ROUNDS), str(2 * PG_ROUNDS)]])
+
+    def test_the_sql_answers_as_preconditions_py_does_step_by_step(self):
+        preconditions = pre
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        quantities = {"A": 10, "B": 0, "C": 5, "Q": PG_MAX_INT64 - 1, "R": 1}
+        preconditions.init(os.path.join(folder, "p.db"), quantities)
+        twin = preconditions.connect(os.path.join(folder, "p.db"))
+        self.addCleanup(twin.close)
+        twin.execute("UPDATE resources SET revision = ? WHERE name = 'R'", (PG_MAX_INT64,))
+        self.resources(**quantities)
+        self.session.query(f"UPDATE resources SET revision = {PG_MAX_INT64} WHERE name = 'R'")
+
+        def python(step):
+            kind, args = step[0], step[1:]
+            try:
+                if kind == "purge":
+                    return preconditions.purge(twin, *args)
+                *args, issued_at, now = args
+                return getattr(preconditions, kind)(twin, *args, issued_at=issued_at, now=now)
+            except (ValueError, TypeError) as error:
+                return "backwards" if "move it backwards" in str(error) else "invalid"
+
+        def sql(step):
+            statement = run_experiment.pg_call(*step)
+            if run_experiment.pg_sqlstate(self.session, statement.rstrip(";")) == "22023":
+                return "invalid"
+            answer = json.loads(self.session.value(statement))
+            if step[0] == "purge":
+                return "backwards" if answer.pop("status") == "backwards" else answer
+            return answer
+
+        steps = [
+            ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 1), ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 2),
+            ("execute", "op1", pg_plan("A", "B", 4, 1, 1), 1, 2), ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 2),
+            ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 3), ("execute", "op3", pg_plan("A", "B", 100, 2, 2), 3, 3),
+            ("execute", "op4", pg_plan("A", "X", 1, 2, 1), 3, 3), ("execute", "op5", pg_plan("Y", "X", 1, 1, 1), 3, 3),
+            ("execute", "op6", pg_plan("A", "Q", 3, 2, 1), 4, 4), ("execute", "op7", pg_plan("A", "R", 1, 2, PG_MAX_INT64), 4, 4),
+            ("execute", "op8", pg_plan("Q", "A", 1, 1, 2), 4, 4),
+            ("change", "ch1", "C", -1, 5, 5), ("change", "ch1", "C", -1, 5, 6), ("change", "ch1", "C", -2, 5, 6),
+            ("change", "ch2", "C", 1, 6, 6), ("execute", "op9", pg_plan("C", "A", 1, 1, 3), 7, 7),
+            ("change", "ch3", "C", -100, 7, 7), ("change", "ch4", "Q", 2, 7, 7), ("change", "ch4b", "Q", 1, 7, 7),
+            ("change", "ch5", "R", 1, 7, 7), ("change", "ch6", "Z", 1, 7, 7), ("change", "op1", "C", 1, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": True, "expected": {"A": 1, "B": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 3.0, "expected": {"A": 1, "B": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 0, "expected": {"A": 1, "B": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 10 ** 15 + 1, "expected": {"A": 1, "B": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": "3", "expected": {"A": 1, "B": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "A", "amount": 1, "expected": {"A": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 1, "expected": {"A": 1}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 1, "expected": {"A": 1, "B": 0}}, 7, 7),
+            ("execute", "bad", {"src": "A", "dst": "B", "amount": 1, "expected": {"A": 1, "B": 1}, "x": 1}, 7, 7),
+            ("execute", "bad", {"src": "", "dst": "B", "amount": 1, "expected": {"": 1, "B": 1}}, 7, 7),
+            ("execute", "", pg_plan("A", "B", 1, 1, 1), 7, 7), ("execute", "o" * 129, pg_plan("A", "B", 1, 1, 1), 7, 7),
+            ("execute", "bad", pg_plan("A", "B", 1, 1, 1), 8, 7), ("change", "bad", "C", -PG_MAX_INT64 - 1, 7, 7),
+            ("change", "bad", "", 1, 7, 7), ("change", "bad", "C", 1, -1, 7),
+            ("purge", 60, 50), ("purge", 55, 50), ("purge", 60, 61), ("purge", 60, 0),
+            ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 61), ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 20, 61),
+            ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 61), ("change", "ch2", "C", 1, 6, 61),
+            ("change", "ch2", "C", 1, 30, 61), ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 5, 61),
+            ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 40, 61), ("execute", "op11", pg_plan("A", "B", 1, 3, 3), 61, 62),
+            ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 40, 63),
+        ]
+        for step in steps:
+            self.assertEqual(sql(step), python(step), step)
+        snapshot = preconditions.snapshot(twin)
+        self.assertEqual({name: {"quantity": int(q), "revision": int(v)}
+                          for name, q, v in self.rows("SELECT name, quantity, revision FROM resources")},
+                         snapshot["resources"])
+        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
+                         [[str(snapshot["effects"]), str(snapshot["receipts"])]])
+        self.assertEqual(self.rows("SELECT count(*) FROM changes"),
+                         [[str(twin.execute("SELECT count(*) FROM changes").fetchone()[0])]])
+
+
 class TheSourceItself(unittest.TestCase):
     """Beyond 第七篇: what the README promises about the source: the copy kit, the twins, __all__."""
 

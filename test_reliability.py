@@ -2082,6 +2082,342 @@ class VersionGuardTest(unittest.TestCase):
         self.assertIs(reliability.wal_reset_bug(), reliability.wal_reset_bug(sqlite3.sqlite_version_info))
 
 
+# === beyond 第一篇: the PostgreSQL edition in README.md, against a real server ===
+# The README's ```sql blocks for article 1, loaded as printed into a throw-away cluster
+# (run_experiment.pg_start: Unix socket only, as nobody when run as root, stopped and removed at
+# exit); each race releases 16 psql clients together at an advisory-lock barrier the test sees
+# in pg_locks, for 10 rounds; assertions are counts and statuses.  Without PostgreSQL they skip.
+
+PG_CLIENTS, PG_ROUNDS, PG_CALLER = 16, 10, "agent"
+PG_FILLER = 500  # receipts a racing purge deletes besides the replayed one: a purge long enough to overlap
+
+
+class PostgresArticle1Test(unittest.TestCase):
+    """第一篇 in PostgreSQL: receive, purge, enqueue, claim and acknowledge under 16 racing clients."""
+
+    @classmethod
+    def setUpClass(cls):
+        run_experiment.pg_prepare(cls, 1)
+
+    def setUp(self):
+        run_experiment.pg_open(self)
+
+    def rows(self, sql):
+        return self.session.query(sql)
+
+    def test_16_copies_of_one_request_make_one_ticket_and_another_payload_is_conflict(self):
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r in range(PG_ROUNDS):
+            key, payload, other = f"copy-{r}", {"title": f"ticket {r}"}, {"title": f"other {r}"}
+            for i in range(PG_CLIENTS):
+                scripts[i].append(run_experiment.pg_call("receive", PG_CALLER, key, payload, r, r))
+                scripts[i].append(run_experiment.pg_call("receive", PG_CALLER, key, payload if i < 8 else other, r, r + 1))
+        outputs = run_experiment.pg_race(self.session, scripts)
+        for r in range(PG_ROUNDS):
+            first = run_experiment.pg_answers(outputs, 2 * r)
+            self.assertEqual(len({json.dumps(a, sort_keys=True) for a in first}), 1, f"round {r}: {first}")
+            self.assertEqual(sorted(first[0]), ["caller", "digest", "key", "ticket_id"])
+            self.assertEqual(run_experiment.pg_answers(outputs, 2 * r + 1), first[:8] + [{"error": "conflict"}] * 8)
+            stored = self.rows(f"SELECT t.id, t.payload, r.digest FROM tickets t JOIN receipts r ON r.ticket_id = t.id"
+                               f" WHERE t.key = 'copy-{r}'")
+            self.assertEqual(stored, [[str(first[0]["ticket_id"]), json.dumps({"title": f"ticket {r}"}),
+                                       first[0]["digest"]]])
+        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts)"),
+                         [[str(PG_ROUNDS), str(PG_ROUNDS)]])
+
+    def test_late_replays_racing_purges_never_make_a_second_ticket_and_the_mark_never_moves_back(self):
+        ticks = [1000 * (r + 1) for r in range(PG_ROUNDS)]
+        payload = {"title": "late"}
+        self.session.query("\n".join(run_experiment.pg_call("receive", PG_CALLER, f"late-{r}", payload, t, t) for r, t in enumerate(ticks)))
+        self.session.query(f"INSERT INTO tickets (caller, key, digest, payload) SELECT 'filler', n::text, 'd', '{{}}'"
+                           f" FROM generate_series(1, {PG_FILLER * PG_ROUNDS}) n;"
+                           f" INSERT INTO receipts SELECT caller, key, digest, id, 1000 * (1 + (id - 1) % {PG_ROUNDS})"
+                           f" FROM tickets WHERE caller = 'filler'")
+        first = {r: json.loads(self.session.value(run_experiment.pg_call("receive", PG_CALLER, f"late-{r}", payload, t, t)))
+                 for r, t in enumerate(ticks)}
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r, t in enumerate(ticks):
+            for i in range(PG_CLIENTS):
+                if i < 8:  # purges to marks t + 1 .. t + 8, all past the receipt written at t
+                    scripts[i].append(run_experiment.pg_call("purge", t + 500 + i + 1, 500))
+                else:
+                    scripts[i].append(run_experiment.pg_call("receive", PG_CALLER, f"late-{r}", payload, t, t + 600))
+                key = f"late-{r}" if i < 12 else f"new-{r}-{i}"  # then: late replays, new keys issued before the mark
+                scripts[i].append(run_experiment.pg_call("receive", PG_CALLER, key, payload, t, t + 700))
+
+        def after(phase):
+            r, t = phase // 2, ticks[phase // 2]
+            self.assertEqual(self.session.value("SELECT low_water FROM retention"), str(t + 8), "the highest mark")
+            self.assertEqual(self.rows(f"SELECT count(*) FROM tickets WHERE key = 'late-{r}'"), [["1"]])
+            self.assertEqual(self.rows(f"SELECT count(*) FROM receipts WHERE tick <= {t}"), [["0"]])
+            self.assertEqual(self.rows(f"SELECT count(*) FROM receipts WHERE key = 'late-{r}'"), [["0"]])
+            self.assertEqual(self.rows(f"SELECT count(*) FROM tickets WHERE key LIKE 'new-{r}-%'"), [["0"]])
+        outputs = run_experiment.pg_race(self.session, scripts, after=after)
+        for r, t in enumerate(ticks):
+            racing = run_experiment.pg_answers(outputs, 2 * r)
+            purged = [a for a in racing[:8] if a["status"] == "purged"]
+            self.assertEqual(sum(a["deleted"] for a in purged), 1 + PG_FILLER, f"round {r}: each receipt deleted once")
+            for i, a in enumerate(racing[:8]):
+                mark = t + i + 1
+                self.assertIn(a, ({"status": "purged", "deleted": a.get("deleted"), "low_water": mark},
+                                  {"status": "backwards", "low_water": a["low_water"]}))
+                if a["status"] == "backwards":
+                    self.assertGreater(a["low_water"], mark)
+            for a in racing[8:]:
+                if "error" in a:
+                    self.assertEqual(a["error"], "expired")
+                    self.assertGreater(a["low_water"], t)
+                else:
+                    self.assertEqual(a, first[r], "a replay before the purge is the stored answer")
+            self.assertEqual(run_experiment.pg_answers(outputs, 2 * r + 1), [{"error": "expired", "low_water": t + 8}] * PG_CLIENTS)
+        self.assertEqual(self.rows("SELECT count(*), count(DISTINCT key) FROM tickets WHERE caller = 'agent'"),
+                         [[str(PG_ROUNDS)] * 2])
+
+    def test_16_claimers_one_winner_per_attempt_unknown_never_reclaimed_late_acks_change_nothing(self):
+        # Per round r at tick t, rows in every state; later rounds' rows are not due yet.
+        def response(key, ticket=7):
+            return ("jsonb_build_object('caller', 'agent', 'key', " + run_experiment.pg_literal(key) + ", 'digest',"
+                    f" (SELECT digest FROM requests WHERE key = {run_experiment.pg_literal(key)}), 'ticket_id', {ticket})")
+        fixture, expected = [], {}
+        for r in range(PG_ROUNDS):
+            t = 100 * (r + 1)
+            rows = {  # key: (mode, state, attempts, lease_until, issued_at, response, final state)
+                "X": ("idempotent", "inflight", 12, t, t - 50, None, ("done", 13)),  # a person said retry at 3
+                "E": ("external", "inflight", 2, t - 1, t - 50, None, ("unknown", 2)),
+                "M": ("idempotent", "inflight", 10, t, t - 50, None, ("blocked", 10)),  # 10 unanswered
+                "D": ("idempotent", "pending", 0, None, t - 50, None, ("blocked", 0)),  # payload tampered
+                "U": ("external", "unknown", 1, t - 20, t - 50, None, ("unknown", 1)),
+                "B": ("idempotent", "blocked", 4, t - 20, t - 50, {"error": "fixture"}, ("blocked", 4)),
+                "A": ("idempotent", "abandoned", 2, t - 20, t - 50, None, ("abandoned", 2)),
+                "F": ("idempotent", "pending", 0, None, 10 ** 12 + r, None, ("pending", 0)),  # issued later
+            }
+            for name, (mode, state, attempts, lease, issued, resp, final) in rows.items():
+                key = f"{name}-{r}"
+                payload = run_experiment.pg_literal({"n": key})
+                stored = run_experiment.pg_literal({"n": key, "tampered": True}) if name == "D" else payload
+                fixture.append(f"INSERT INTO requests VALUES ('agent', {run_experiment.pg_literal(key)}, {run_experiment.pg_literal(mode)},"
+                               f" digest_of({payload}), {stored}, {issued});"
+                               f" INSERT INTO outbox (caller, key, mode, state, attempts, lease_until, response)"
+                               f" VALUES ('agent', {run_experiment.pg_literal(key)}, {run_experiment.pg_literal(mode)}, {run_experiment.pg_literal(state)}, {attempts},"
+                               f" {run_experiment.pg_literal(lease)}, {run_experiment.pg_literal(resp)});")
+                expected[key] = final
+            fixture.append(f"INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason)"
+                           f" VALUES ('agent', 'X-{r}', 3, 'retry', 'tester', 'fixture');")
+            expected[f"Y-{r}"] = ("done", 1)
+        self.session.query("\n".join(fixture))
+        acks = [("X", 12), ("X", 3), ("X", 13), ("X", 13), ("Y", 1), ("Y", 0), ("E", 2), ("U", 1),
+                ("B", 4), ("A", 2), ("F", 0), ("M", 10), ("D", 0), ("X", 14), ("E", 3), ("Y", 2)]
+        scripts = [[] for _ in range(PG_CLIENTS)]
+        for r in range(PG_ROUNDS):
+            t = 100 * (r + 1)
+            for i in range(PG_CLIENTS):
+                scripts[i].append(run_experiment.pg_call("enqueue", PG_CALLER, f"Y-{r}", {"n": f"Y-{r}"}, t))
+                scripts[i].append(run_experiment.pg_call("claim", t, 5000 + i))
+                name, attempt = acks[i]
+                scripts[i].append(f"SELECT acknowledge('agent', '{name}-{r}', {attempt}, {response(f'{name}-{r}')});")
+        outputs = run_experiment.pg_race(self.session, scripts)
+        for r in range(PG_ROUNDS):
+            t = 100 * (r + 1)
+            self.assertEqual(sorted(a["status"] for a in run_experiment.pg_answers(outputs, 3 * r)), ["accepted"] + ["duplicate"] * 15)
+            claimed = run_experiment.pg_answers(outputs, 3 * r + 1)
+            winners = {i: a for i, a in enumerate(claimed) if a != ""}
+            self.assertEqual(sorted((a["key"], a["attempt"]) for a in winners.values()),
+                             [(f"X-{r}", 13), (f"Y-{r}", 1)], f"round {r}: one winner per due row and attempt")
+            for a in winners.values():
+                self.assertEqual((a["now"], a["mode"], a["payload"]), (t, "idempotent", {"n": a["key"]}))
+            owner = next(5000 + i for i, a in winners.items() if a["key"] == f"X-{r}")
+            acked = run_experiment.pg_answers(outputs, 3 * r + 2)
+            self.assertEqual(sorted(acked[2:4]), ["f", "t"], "one of two copies of the current attempt's ack")
+            self.assertEqual(acked[:2] + acked[4:], ["f", "f", "t"] + ["f"] * 11, "late acks change nothing")
+            self.assertEqual(self.rows(f"SELECT lease_until, owner_pid FROM outbox WHERE key = 'X-{r}'"),
+                             [[str(t + 10), str(owner)]])
+        state = {key: (s, int(a), json.loads(resp) if resp else None) for key, s, a, resp in
+                 self.rows("SELECT key, state, attempts, response FROM outbox")}
+        for key, final in expected.items():
+            self.assertEqual(state[key][:2], final, key)
+            name = key.split("-")[0]
+            if name in ("X", "Y"):
+                self.assertEqual(state[key][2]["ticket_id"], 7)
+            elif name in ("M", "D", "B"):
+                self.assertEqual(state[key][2], {"M": {"error": "no valid answer after 10 attempts"},
+                                                 "D": {"error": "corrupt intent: not the text, payload and"
+                                                                " digest enqueue() stores"},
+                                                 "B": {"error": "fixture"}}[name])
+            else:
+                self.assertIsNone(state[key][2], key)
+
+    def test_the_sql_answers_as_reliability_py_does_step_by_step(self):
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root)
+        reliability.init(root)
+        sender = reliability.connect(os.path.join(root, "sender.db"))
+        self.addCleanup(sender.close)
+        receiver = reliability.connect(os.path.join(root, "receiver.db"))
+        self.addCleanup(receiver.close)
+        tickets = {"python": {}, "sql": {}}
+
+        def ticket(side, number):  # ticket ids in order of first appearance: sequences may skip
+            return "t%d" % tickets[side].setdefault(number, len(tickets[side]) + 1)
+
+        def python(step):
+            kind, args = step[0], step[1:]
+            try:
+                if kind == "receive":
+                    key, payload, issued_at, now = args
+                    answer = reliability.receive(receiver, PG_CALLER, key, payload, issued_at=issued_at, now=now)
+                    return ("ticket", ticket("python", answer["ticket_id"]),
+                            answer["digest"] == reliability.canonical(payload)[1])
+                if kind == "purge":
+                    return ("purged", reliability.purge(receiver, *args))
+                if kind == "enqueue":
+                    key, payload, now, mode = args
+                    return reliability.enqueue(sender, PG_CALLER, key, payload, now=now, mode=mode)
+                if kind == "claim":
+                    row = reliability.claim(sender, args[0])
+                    return row and (row["key"], row["attempt"], row["mode"], row["payload"], row["issued_at"])
+                if kind == "tamper":
+                    sender.execute("UPDATE requests SET payload = ? WHERE key = ?", ('{"tampered":1}', args[0]))
+                    return None
+                if kind == "tamper ticket":
+                    receiver.execute("UPDATE tickets SET payload = ? WHERE key = ?", ('{"tampered":1}', args[0]))
+                    return None
+                key, attempt, fault = args
+                digest = sender.execute("SELECT digest FROM requests WHERE key = ?", (key,)).fetchone()[0]
+                return reliability.acknowledge(sender, PG_CALLER, key, attempt, pg_faulty(key, digest, fault))
+            except reliability.Conflict:
+                return "conflict"
+            except reliability.Expired:
+                return "expired"
+            except reliability.CorruptRecord:
+                return "corrupt"
+            except ValueError as error:
+                return "backwards" if "move it backwards" in str(error) else "invalid"
+            except TypeError:
+                return "invalid"
+
+        def sql(step):
+            kind, args = step[0], step[1:]
+            if kind in ("tamper", "tamper ticket"):
+                table = "requests" if kind == "tamper" else "tickets"
+                self.session.query(f"UPDATE {table} SET payload = '{{\"tampered\": 1}}' WHERE key = {run_experiment.pg_literal(args[0])}")
+                return None
+            if kind == "acknowledge":
+                key, attempt, fault = args
+                digest = self.session.value(f"SELECT digest FROM requests WHERE key = {run_experiment.pg_literal(key)}")
+                statement = run_experiment.pg_call("acknowledge", PG_CALLER, key, attempt, pg_faulty(key, digest, fault))
+            elif kind == "claim":
+                statement = run_experiment.pg_call("claim", args[0], os.getpid())
+            else:
+                statement = run_experiment.pg_call(kind, *((PG_CALLER,) if kind in ("receive", "enqueue") else ()), *args)
+            if run_experiment.pg_sqlstate(self.session, statement.rstrip(";")) == "22023":
+                return "invalid"
+            value = self.session.value(statement)
+            answer = json.loads(value) if value[:1] == "{" else value
+            if kind == "receive":
+                if "error" in answer:
+                    return answer["error"]
+                return ("ticket", ticket("sql", answer["ticket_id"]),
+                        answer["digest"] == self.session.value(f"SELECT digest_of({run_experiment.pg_literal(args[1])})"))
+            if kind == "purge":
+                if answer["status"] == "backwards":
+                    return "backwards"
+                return ("purged", {"deleted": answer["deleted"], "low_water": answer["low_water"]})
+            if kind == "enqueue":
+                return answer["status"]
+            if kind == "claim":
+                return answer and (answer["key"], answer["attempt"], answer["mode"], answer["payload"],
+                                   answer["issued_at"]) or None
+            return {"t": True, "f": False}[answer]
+
+        one, other = {"title": "one"}, {"title": "other"}
+        deep = 1
+        for _ in range(31):  # 32 levels, the leaf included: the deepest accepted
+            deep = {"a": deep}
+        steps = [
+            ("receive", "k1", one, 1, 1), ("receive", "k1", one, 1, 2), ("receive", "k1", other, 1, 2),
+            ("receive", "k2", one, 3, 3), ("receive", "", one, 1, 1), ("receive", "k9", [1], 1, 1),
+            ("receive", "k9", one, 5, 4), ("receive", "k" * 201, one, 1, 1),
+            ("purge", 10, 7), ("purge", 9, 7), ("purge", 5, 7), ("purge", 10, 0),
+            ("receive", "k1", one, 1, 11), ("receive", "k2", one, 3, 11), ("receive", "k3", one, 2, 11),
+            ("receive", "k4", one, 3, 11), ("receive", "k4", one, 3, 12), ("purge", 20, 10),
+            ("receive", "k4", one, 3, 21), ("receive", "k5", other, 10, 21),
+            ("receive", "k6", deep, 10, 21), ("receive", "k7", {"a": deep}, 10, 21),
+            ("tamper ticket", "k5"), ("receive", "k5", other, 10, 22), ("receive", "k4", one, 3, 22),
+            ("enqueue", "e1", one, 1, "idempotent"), ("enqueue", "e1", one, 1, "idempotent"),
+            ("enqueue", "e1", other, 1, "idempotent"), ("enqueue", "e1", one, 1, "external"),
+            ("enqueue", "e2", one, 2, "external"), ("enqueue", "e3", one, 50, "idempotent"),
+            ("enqueue", "e4", other, 3, "idempotent"), ("enqueue", "e5", one, 3, "nonsense"),
+            ("claim", 0), ("claim", 1), ("claim", 2), ("claim", 3), ("claim", 3),
+            ("acknowledge", "e1", 1, "other key"), ("acknowledge", "e1", 1, "other digest"),
+            ("acknowledge", "e1", 1, "ticket 0"), ("acknowledge", "e1", 1, "ticket text"),
+            ("acknowledge", "e1", 1, "extra field"), ("acknowledge", "e1", 2, None),
+            ("acknowledge", "e1", 1, None), ("acknowledge", "e1", 1, None),
+            ("claim", 12), ("claim", 13), ("acknowledge", "e2", 1, None),
+            ("tamper", "e4"), ("claim", 22), ("claim", 23),
+        ] + [("claim", 50 + 10 * n) for n in range(11)] + [  # attempts 1..10 of e3, then blocked
+            ("claim", 200), ("acknowledge", "e3", 10, None), ("acknowledge", "e3", 9, None),
+        ]
+        for step in steps:
+            self.assertEqual(sql(step), python(step), step)
+        python_rows = sender.execute("SELECT o.key, o.state, o.attempts, o.lease_until, o.response FROM outbox o"
+                                     " ORDER BY o.id").fetchall()
+        sql_rows = self.rows("SELECT key, state, attempts, lease_until, response FROM outbox ORDER BY id")
+        self.assertEqual([(k, s, str(a), "" if l is None else str(l), pg_normal(r)) for k, s, a, l, r in python_rows],
+                         [(k, s, a, l, pg_normal(r)) for k, s, a, l, r in sql_rows])
+        self.assertEqual([r[0] for r in receiver.execute("SELECT count(*) FROM tickets UNION ALL"
+                                                         " SELECT count(*) FROM receipts")],
+                         [int(n[0]) for n in self.rows("SELECT count(*) FROM tickets UNION ALL"
+                                                       " SELECT count(*) FROM receipts")])
+
+    def test_bad_input_a_corrupt_receipt_and_rewritten_decisions_change_nothing(self):
+        one = {"title": "one"}
+        answer = json.loads(self.session.value(run_experiment.pg_call("receive", PG_CALLER, "k", one, 1, 1)))
+        for statement in (run_experiment.pg_call("receive", PG_CALLER, "", one, 1, 1), run_experiment.pg_call("receive", PG_CALLER, "k2", one, 2, 1),
+                          run_experiment.pg_call("receive", PG_CALLER, "k2", [1], 1, 1), run_experiment.pg_call("receive", PG_CALLER, "k2", one, -1, 1),
+                          run_experiment.pg_call("receive", PG_CALLER, "k2", {"x": "y" * 65536}, 1, 1),
+                          run_experiment.pg_call("purge", 5, 6), run_experiment.pg_call("purge", 5, 0), run_experiment.pg_call("enqueue", PG_CALLER, "e", one, 1, "other"),
+                          run_experiment.pg_call("claim", -1, 1), run_experiment.pg_call("acknowledge", PG_CALLER, "nothing", 1, answer)):
+            self.assertEqual(run_experiment.pg_sqlstate(self.session, statement.rstrip(";")), "22023", statement)
+        self.assertEqual(run_experiment.pg_sqlstate(self.session, "INSERT INTO requests VALUES ('agent', 'x', 'idempotent', 'd',"
+                                                " '[1]', 1)"), "23514", "a stored payload is a JSON object")
+        self.session.query("UPDATE tickets SET digest = 'x'")
+        self.assertEqual(self.session.value(run_experiment.pg_call("receive", PG_CALLER, "k", one, 1, 2)), '{"error": "corrupt"}')
+        self.session.query(run_experiment.pg_call("enqueue", PG_CALLER, "e", one, 1, "idempotent") +
+                           "INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason)"
+                           " VALUES ('agent', 'e', 0, 'retry', 'tester', 'why');")
+        for statement in ("UPDATE resolutions SET reason = 'other'", "DELETE FROM resolutions",
+                          "TRUNCATE resolutions"):
+            self.assertEqual(run_experiment.pg_sqlstate(self.session, statement), "P0001", statement)
+        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts),"
+                                   " (SELECT count(*) FROM requests), (SELECT count(*) FROM resolutions)"),
+                         [["1", "1", "1", "1"]])
+
+
+def pg_faulty(key, digest, fault):
+    """A response for ``key``, or one that does not answer it."""
+    response = {"caller": PG_CALLER, "key": key, "digest": digest, "ticket_id": 5}
+    if fault == "other key":
+        response["key"] = key + "x"
+    elif fault == "other digest":
+        response["digest"] = "0" * 64
+    elif fault == "ticket 0":
+        response["ticket_id"] = 0
+    elif fault == "ticket text":
+        response["ticket_id"] = "5"
+    elif fault == "extra field":
+        response["url"] = "https://example.invalid/5"
+    return response
+
+
+def pg_normal(response):
+    """An outbox response with its digest (which differs between the editions) left out."""
+    if response in (None, ""):
+        return None
+    value = json.loads(response)
+    value.pop("digest", None)
+    return value
+
+
 # === the copy kits and the public names the README lists ===
 
 with open(SCRIPT, encoding="utf-8") as _handle:
