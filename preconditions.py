@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import stat
 from contextlib import contextmanager
 
 __all__ = ["execute", "history", "change", "purge", "connect", "init", "snapshot", "transaction",
@@ -308,34 +309,41 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, a directory, unreadable or read-only (the file, its
-    -wal or -shm, or its directory), a file with a second name (each name would get its
-    own -wal), not SQLite, not ours, or another schema version: each raises naming the
-    path, and the database and its -wal are left byte for byte as they were.
+    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file,
+    its -wal or -shm, or its directory), a file with a second name (each name would get
+    its own -wal), not SQLite, not ours, another schema version, or a -wal left without
+    its -shm that does not pass SQLite's quick_check: each raises naming the path, and
+    the file and its -wal are left byte for byte (SQLite may have made a -shm).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
-    if os.stat(path).st_nlink > 1:
+    real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+    if os.stat(real).st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
-    folder = os.path.dirname(os.path.abspath(path))
-    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("-wal", path + "-wal", os.R_OK | os.W_OK),
-                              ("-shm", path + "-shm", os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
+    for what, where, need in (("file", real, os.R_OK | os.W_OK), ("-wal", real + "-wal", os.R_OK | os.W_OK),
+                              ("-shm", real + "-shm", os.R_OK | os.W_OK),
+                              ("directory", os.path.dirname(real), os.W_OK | os.X_OK)):
         if os.path.exists(where) and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
     # "file://" and an empty authority, so that a path starting with // stays a path.
-    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    leftover = os.path.exists(real + "-wal") and not os.path.exists(real + "-shm")  # no process had it open
     try:
         # Checked read-only first, so a refused file is left as it was: a read-only connection never
         # checkpoints (not even another database's -wal beside it), and with no -wal to read it
-        # looks at the file alone (immutable), creating no -wal or -shm either.
-        alone = "" if os.path.exists(path + "-wal") else "&immutable=1"
+        # looks at the file alone (immutable).  A leftover -wal is checked whole before it is used.
+        alone = "&immutable=1" if not os.path.exists(real + "-wal") else ""
         with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
             kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
                              ("application_id", "user_version"))
+            if leftover and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
+                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the file (quick_check)")
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
             kind, version = version, 1
         if kind not in application_ids:
@@ -402,6 +410,15 @@ def wal_reset_bug(version=None):
     if not (3, 7, 0) <= version < (3, 51, 3):
         return False
     return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
+
+
+def _text(value):
+    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it as
+    (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale gives them."""
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:  # not bytes of UTF-8 text: left as it came, and refused where it is checked
+        return value
 
 
 # --- DELIBERATELY UNSAFE baseline (第七篇 §3): never called by the protocol above ----------
@@ -495,6 +512,11 @@ def main(argv=None):
     command("unsafe-check-then-act", "UNSAFE baseline: check, READY/GO, then write without checking again", op,
             plan, ticks=False)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    for name in ("op", "command", "name"):  # text, not paths: read as typed
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, _text(getattr(args, name)))
+    if args.subcommand == "init":
+        args.resources = [_text(item) for item in args.resources]
     CRASH_AT = getattr(args, "crash", None)
     issued_at = getattr(args, "now", None) if getattr(args, "issued_at", None) is None else args.issued_at
     try:
@@ -518,6 +540,8 @@ def main(argv=None):
             else:
                 try:
                     command = json.loads(args.command, object_pairs_hook=_no_repeats)
+                except RecursionError:
+                    raise ValueError("COMMAND_JSON nests too deeply") from None
                 except ValueError as error:
                     raise ValueError(f"COMMAND_JSON is not JSON ({error}): {args.command[:60]!r}") from None
                 if args.subcommand.startswith("unsafe"):

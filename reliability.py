@@ -25,6 +25,7 @@ import json
 import os
 import random
 import sqlite3
+import stat
 import time
 from contextlib import contextmanager
 
@@ -284,9 +285,9 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
     """
     import subprocess  # only senders spawn; tool children start faster without it
     tool = "external" if row["mode"] == "external" else "receive"
+    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],  # first: if it
+                      "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"  # fails, no child
     child = (start or start_child)(["serve", tool, os.path.join(root, EXTERNAL if tool == "external" else RECEIVER)])
-    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
-                      "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"
     outcome = "refused"
     try:
         if on_start is None or on_start(child.pid):
@@ -319,11 +320,9 @@ def start_child(argv):
 def claim(connection, now):
     """第一篇 §5: atomically take the oldest due row: attempt + 1, leased until ``now + LEASE_TICKS``.
 
-    Due: issued at or before ``now``, and pending or in flight with a lease that ended
-    at or before ``now``.  Of racing claimers exactly one wins a row.  An expired
-    external row is not re-claimed but made unknown (§6); a row unanswered
-    MAX_ATTEMPTS times since the last person's decision, or not stored as enqueue()
-    stores it, is blocked, with its reason.  Returns the claimed row as a dict, or None.
+    Due: issued by ``now``, pending or in flight past its lease; of racing claimers one wins
+    a row.  An expired external row becomes unknown (§6); one unanswered MAX_ATTEMPTS times
+    since a person last decided, or not as enqueue() stores it, is blocked with its reason.
     """
     check_ticks(0, now)
     with transaction(connection):
@@ -331,7 +330,8 @@ def claim(connection, now):
             row = connection.execute(  # stored text as bytes: a row another program wrote cannot raise here
                 "SELECT o.id, o.state, o.attempts, r.mode, r.issued_at, o.attempts - coalesce("
                 "(SELECT max(attempt) FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0),"
-                " typeof(r.payload) = 'text' AND typeof(r.digest) = 'text', CAST(o.caller AS BLOB),"
+                " typeof(o.caller) || typeof(o.key) || typeof(r.payload) || typeof(r.digest) || typeof(o.attempts)"
+                " || typeof(r.issued_at) = 'texttexttexttextintegerinteger', CAST(o.caller AS BLOB),"
                 " CAST(o.key AS BLOB), CAST(r.digest AS BLOB), CAST(r.payload AS BLOB)"
                 " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
                 " WHERE (o.state = 'pending' OR (o.state = 'inflight' AND o.lease_until <= ?))"
@@ -339,32 +339,30 @@ def claim(connection, now):
             if row is None:
                 return None
             number, state, attempts, mode, issued_at, used, intact = row[:7]
-            try:  # what enqueue() stores: UTF-8 text, a JSON object, and the digest of exactly that text
+            try:  # what enqueue() stores: text, and a canonical payload with its digest
                 caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
-                intact = intact and hashlib.sha256(row[10]).hexdigest() == digest and type(json.loads(text)) is dict
-            except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past what JSON can parse
+                intact = intact and canonical(json.loads(text)) == (text, digest)
+            except (ValueError, TypeError, RecursionError):  # not UTF-8, not JSON, not a payload
                 intact = False
-            if state == "inflight" and mode == "external":
-                # The expired attempt may have reached the tool: calling again could act twice.
-                connection.execute("UPDATE outbox SET state = 'unknown' WHERE id = ?", (number,))
-            elif used >= MAX_ATTEMPTS:
-                _block(connection, number, f"no valid answer after {used} attempts")
-            elif not intact:
-                _block(connection, number, "corrupt intent: not the text, payload and digest enqueue() stores")
-            else:
-                # The owner's pid: reconcile() takes absence as proof only once it is gone.
+            if state == "inflight" and mode == "external":  # the attempt may have reached the tool: never again
+                parked = "unknown", None
+            elif used >= MAX_ATTEMPTS or not intact:  # parked for a person, never sent
+                parked = "blocked", _dumps({"error": f"no valid answer after {used} attempts" if used >= MAX_ATTEMPTS
+                                            else "corrupt intent: not the text, payload and digest enqueue() stores"})
+            else:  # the owner's pid: reconcile() takes absence as proof only once it is gone
                 connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?,"
                                    " owner_pid = ?, tool_pid = NULL WHERE id = ?",
                                    (attempts + 1, now + LEASE_TICKS, os.getpid(), number))
                 return {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest,
                         "payload": json.loads(text), "issued_at": issued_at, "now": now}
+            connection.execute("UPDATE outbox SET state = ?, response = coalesce(?, response) WHERE id = ?",
+                               (*parked, number))
 
 
 def acknowledge(connection, caller, key, attempt, response):
     """第一篇 §5: record a validated response as done, only for the attempt that still holds the row.
 
-    False (nothing changed) when the row is no longer in flight under that attempt
-    number; ValueError for a response that does not answer this request.
+    False (nothing changed) otherwise; ValueError for a response that does not answer the request.
     """
     with transaction(connection):
         digest = connection.execute("SELECT digest FROM requests WHERE caller = ? AND key = ?",
@@ -380,17 +378,11 @@ def acknowledge(connection, caller, key, attempt, response):
 def check_response(response, caller, key, digest):
     """第一篇 §4: a response answers a request only with its caller, key, digest and a positive int ticket id."""
     if type(response) is not dict or set(response) != {"caller", "key", "digest", "ticket_id"}:
-        raise ValueError("response has the wrong structure")
+        raise ValueError("a response is a JSON object with exactly caller, key, digest and ticket_id")
     if (response["caller"], response["key"], response["digest"]) != (caller, key, digest):
-        raise ValueError("response answers a different request")
+        raise ValueError(f"response answers a different request: this one is {caller!r}/{key!r}, digest {digest}")
     if type(response["ticket_id"]) is not int or response["ticket_id"] < 1:
         raise ValueError("response ticket_id must be a positive int")
-
-
-def _block(connection, number, reason):
-    # A record that cannot be trusted, or answered, is parked for a person, never sent.
-    connection.execute("UPDATE outbox SET state = 'blocked', response = ? WHERE id = ?",
-                       (_dumps({"error": reason}), number))
 
 
 # --- 第一篇 §6: a tool that keeps no receipts ------------------------------------------------
@@ -594,24 +586,25 @@ def snapshot(connection):
     if own:
         connection.execute("BEGIN")
     try:
-        read = lambda sql: connection.execute(sql).fetchall()
-        kind = read("PRAGMA application_id")[0][0]
+        rows = lambda sql, *names: [dict(zip(names, row)) for row in connection.execute(sql)]
+        one = lambda sql: connection.execute(sql).fetchone()[0]
+        kind = one("PRAGMA application_id")
         if kind == KINDS[SENDER]:
-            return {"intent_rows": read("SELECT count(*) FROM requests")[0][0],
-                    "outbox": [{"caller": c, "key": k, "mode": m, "state": s, "attempts": a, "lease_until": l,
-                                "digest": d, "response": json.loads(r) if r else None} for c, k, m, s, a, l, d, r in read(
-                        "SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, r.digest, o.response"
-                        " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id")],
-                    "resolutions": [{"caller": c, "key": k, "attempt": a, "decision": d, "decided_by": b, "reason": w}
-                                    for c, k, a, d, b, w in read("SELECT caller, key, attempt, decision, decided_by,"
-                                                                 " reason FROM resolutions ORDER BY id")]}
+            outbox = rows("SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, r.digest, o.response"
+                          " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id",
+                          "caller", "key", "mode", "state", "attempts", "lease_until", "digest", "response")
+            audit = rows("SELECT caller, key, attempt, decision, decided_by, reason, evidence FROM resolutions"
+                         " ORDER BY id", "caller", "key", "attempt", "decision", "decided_by", "reason", "evidence")
+            for row in outbox + audit:  # stored as JSON text
+                field = "response" if "response" in row else "evidence"
+                row[field] = json.loads(row[field]) if row[field] else None
+            return {"intent_rows": one("SELECT count(*) FROM requests"), "outbox": outbox, "resolutions": audit}
         if kind == KINDS[RECEIVER]:
-            return {"tickets": read("SELECT count(*) FROM tickets")[0][0],
-                    "receipts": [{"caller": c, "key": k, "digest": d, "ticket_id": t, "tick": n} for c, k, d, t, n
-                                 in read("SELECT caller, key, digest, ticket_id, tick FROM receipts ORDER BY tick, ticket_id")],
-                    "low_water": read("SELECT low_water FROM retention")[0][0]}
-        return {"tickets": [{"caller": c, "key": k, "digest": d, "ticket_id": t} for t, c, k, d
-                            in read("SELECT id, caller, key, digest FROM tickets ORDER BY id")]}
+            return {"tickets": one("SELECT count(*) FROM tickets"), "low_water": one("SELECT low_water FROM retention"),
+                    "receipts": rows("SELECT caller, key, digest, ticket_id, tick FROM receipts ORDER BY tick, ticket_id",
+                                     "caller", "key", "digest", "ticket_id", "tick")}
+        return {"tickets": rows("SELECT caller, key, digest, id FROM tickets ORDER BY id",
+                                "caller", "key", "digest", "ticket_id")}
     finally:
         if own:
             connection.execute("COMMIT")
@@ -620,17 +613,16 @@ def snapshot(connection):
 def canonical(payload):
     """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.
 
-    What JSON cannot carry exactly (NaN, non-str keys, tuples, bytes, sets), or deeper than
-    MAX_PAYLOAD_DEPTH, raises before any transaction.  The digest tells another intent
-    behind the same key; it never replaces the key.
+    What JSON cannot carry exactly (NaN, non-str keys, tuples, bytes, sets), deeper than
+    MAX_PAYLOAD_DEPTH or larger than MAX_PAYLOAD_BYTES raises before any transaction.
     """
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
-    todo = [(payload, 1)]
-    while todo:  # without recursion; a payload this deep is sent, answered and replayed alike
-        value, depth = todo.pop()
-        if depth > MAX_PAYLOAD_DEPTH:
-            raise ValueError(f"payload nests deeper than {MAX_PAYLOAD_DEPTH} levels")
+    todo, seen = [(payload, 1)], 0
+    while todo:  # without recursion, and each value at least one byte: a shared one counts each time
+        (value, depth), seen = todo.pop(), seen + 1
+        if depth > MAX_PAYLOAD_DEPTH or seen > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload nests deeper than {MAX_PAYLOAD_DEPTH} or exceeds {MAX_PAYLOAD_BYTES} bytes")
         if isinstance(value, (dict, list, tuple)):
             todo += [(inner, depth + 1) for inner in (value.values() if isinstance(value, dict) else value)]
     try:
@@ -709,34 +701,41 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, a directory, unreadable or read-only (the file, its
-    -wal or -shm, or its directory), a file with a second name (each name would get its
-    own -wal), not SQLite, not ours, or another schema version: each raises naming the
-    path, and the database and its -wal are left byte for byte as they were.
+    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file,
+    its -wal or -shm, or its directory), a file with a second name (each name would get
+    its own -wal), not SQLite, not ours, another schema version, or a -wal left without
+    its -shm that does not pass SQLite's quick_check: each raises naming the path, and
+    the file and its -wal are left byte for byte (SQLite may have made a -shm).
     """
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
-    if os.stat(path).st_nlink > 1:
+    real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+    if os.stat(real).st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
-    folder = os.path.dirname(os.path.abspath(path))
-    for what, where, need in (("file", path, os.R_OK | os.W_OK), ("-wal", path + "-wal", os.R_OK | os.W_OK),
-                              ("-shm", path + "-shm", os.R_OK | os.W_OK), ("directory", folder, os.W_OK | os.X_OK)):
+    for what, where, need in (("file", real, os.R_OK | os.W_OK), ("-wal", real + "-wal", os.R_OK | os.W_OK),
+                              ("-shm", real + "-shm", os.R_OK | os.W_OK),
+                              ("directory", os.path.dirname(real), os.W_OK | os.X_OK)):
         if os.path.exists(where) and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
     # "file://" and an empty authority, so that a path starting with // stays a path.
-    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    leftover = os.path.exists(real + "-wal") and not os.path.exists(real + "-shm")  # no process had it open
     try:
         # Checked read-only first, so a refused file is left as it was: a read-only connection never
         # checkpoints (not even another database's -wal beside it), and with no -wal to read it
-        # looks at the file alone (immutable), creating no -wal or -shm either.
-        alone = "" if os.path.exists(path + "-wal") else "&immutable=1"
+        # looks at the file alone (immutable).  A leftover -wal is checked whole before it is used.
+        alone = "&immutable=1" if not os.path.exists(real + "-wal") else ""
         with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
             kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
                              ("application_id", "user_version"))
+            if leftover and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
+                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the file (quick_check)")
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
             kind, version = version, 1
         if kind not in application_ids:
@@ -807,6 +806,15 @@ def wal_reset_bug(version=None):
 
 
 
+def _text(value):
+    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it as
+    (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale gives them."""
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:  # not bytes of UTF-8 text: left as it came, and refused where it is checked
+        return value
+
+
 # --- DELIBERATELY UNSAFE baselines: the experiments' counterexamples, never called above ----------
 
 def unsafe_receive_without_receipt(connection, caller, key, payload):
@@ -857,7 +865,7 @@ def crash_point(name):
 
 # --- command line: the experiment's child processes, and a reader stepping by hand ----------------
 
-TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}  # serve TOOL: who owns its crashes
+TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}  # serve TOOL: owner of its crashes
 
 
 def main(argv=None):
@@ -872,6 +880,9 @@ def main(argv=None):
     global CRASH_AT
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    for name in ("caller", "key", "payload", "by", "why", "evidence"):  # text, not paths: read as typed
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, _text(getattr(args, name)))
     crash = getattr(args, "crash", None)
     if args.command == "serve" and crash and BOUNDARIES[crash] != TOOLS[args.tool]:
         parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
@@ -1004,6 +1015,9 @@ def _run(args, passed_on):
             result = {"status": "nothing due", "now": args.now} if row is None else dict(row, status="claimed")
         elif args.command == "deliver":
             row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
+            made = sender.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?", (args.caller, args.key))
+            if not 1 <= args.attempt <= made.fetchone()[0]:  # a late delivery is of an attempt that was claimed
+                raise ValueError(f"attempt {args.attempt} of {args.caller!r}/{args.key!r} was never claimed")
             result = _delivered(sender, deliver(sender, args.root, row, start=start))
         elif args.command == "dispatch":
             result = _delivered(sender, dispatch(sender, args.root, args.now, start=start), args.now)
@@ -1031,6 +1045,8 @@ NOTES = {  # what a delivery left its row as, for a reader of dispatch's line
     "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so it is never sent"
                " again automatically (reconcile, or resolve by hand)",
     "blocked": "refused for good: a person decides (resolve)",
+    "pending": "pending: the next claim sends it under the same key",
+    "abandoned": "abandoned by a person: never sent again",
 }
 
 
@@ -1064,9 +1080,17 @@ def _wait_for_go():
 
 def _json_argument(text, what):
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
     except ValueError as error:
         raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
+def _no_repeats(pairs):
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("a key is repeated")
+    return dict(pairs)
 
 
 def _line(value):

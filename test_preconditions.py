@@ -64,7 +64,8 @@ KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int"
        "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH", "MAX_AMOUNT", "MAX_INT64",
        "MAX_TICK", "_dumps"]
 KIT_IMPORTS = "import hashlib\nimport json\nimport os\nimport sqlite3\nfrom contextlib import contextmanager\n"
-TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_create", "wal_reset_bug"]
+TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_create", "wal_reset_bug",
+         "_text"]
 
 
 def plan(a=1, b=1, amount=3, src="A", dst="B"):
@@ -1198,6 +1199,7 @@ assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {{"status":
 connection.execute("UPDATE resources SET quantity = 5, revision = 3 WHERE name = 'B'")  # another write
 assert kit.execute(connection, "job-2", plan, issued_at=0, now=0) == {{"status": "stale", "observed": {{"A": 2, "B": 3}}}}
 assert not os.path.exists(os.path.join(folder, "preconditions.py"))
+connection.close()
 """
         interpreters = [sys.executable] + [newer for newer in [run_experiment.newer_python()] if newer]
         with tempfile.TemporaryDirectory() as folder:
