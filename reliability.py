@@ -622,7 +622,7 @@ def canonical(payload):
     while todo:  # without recursion, and each value at least one byte: a shared one counts each time
         (value, depth), seen = todo.pop(), seen + 1
         if depth > MAX_PAYLOAD_DEPTH or seen > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"payload nests deeper than {MAX_PAYLOAD_DEPTH} or exceeds {MAX_PAYLOAD_BYTES} bytes")
+            raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or holds over {MAX_PAYLOAD_BYTES} values")
         if isinstance(value, (dict, list, tuple)):
             todo += [(inner, depth + 1) for inner in (value.values() if isinstance(value, dict) else value)]
     try:

@@ -301,11 +301,14 @@ class SameTransaction(Case):
         code, out, err = cli("execute", self.db, "job-1", repeated, "--now", 0)
         self.assertEqual((code, out), (1, ""))
         self.assertIn("repeats a key", err)
-        code, out, err = run_experiment.fork_main(pre, ["execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
-                                                        "--wait"], stdin=b"NO\n")
-        self.assertEqual((code, out), (1, b"READY\n"))
-        self.assertIn(b"expected GO", err)
+        for answer in (b"NO\n", b""):  # another word, or the parent gone (end of file): never a go
+            code, out, err = run_experiment.fork_main(pre, ["execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
+                                                            "--wait"], stdin=answer)
+            self.assertEqual((code, out), (1, b"READY\n"))
+            self.assertIn(b"expected GO", err)
         self.assertEqual(self.figures(), START)
+        self.assertEqual(cli("init", os.path.join(self.dir, "twice.db"), "A=1", "A=2")[0], 2)  # one name twice
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "twice.db")))
 
     def test_the_check_and_the_write_run_under_one_write_lock(self):
         other = self.open()
@@ -904,6 +907,11 @@ class CommandLine(Case):
         self.assertEqual((code, out.decode("utf-8")),
                          (0, '{"quantities":{"B":3,"名额A":7},"revisions":{"B":2,"名额A":2},"status":"applied"}\n'))
         self.assertEqual(json.loads(cli("snapshot", db)[1])["receipts"], 1)
+        # Non-ASCII arguments typed in that locale are read as the UTF-8 typed, not refused.
+        [(code, out, err)] = run_experiment.run_together(
+            [in_legacy(MODULE, "change", db, "操作-1", "名额A", 1, "--now", 0)], env=legacy)
+        self.assertEqual((code, err), (0, b""))
+        self.assertEqual(json.loads(out.decode("utf-8"))["name"], "名额A")
 
 
 # === beyond 第七篇: the PostgreSQL edition in README.md, against a real server ===
