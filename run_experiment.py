@@ -1696,15 +1696,17 @@ def readme_blocks(language, path=os.path.join(HERE, "README.md")):
 
 
 def walk_through(block, folder, flags=()):
-    """Run a README walk-through as printed, for the tests: bash in ``folder``, where ``python3`` is
-    this interpreter (with ``flags``).  Returns (exit code, its stdout and stderr interleaved as
+    """Run a README walk-through as printed, for the tests: bash in ``folder`` (its temporary folder
+    too), where ``python3`` is this interpreter (with ``flags``).  Returns (exit code, its stdout and stderr interleaved as
     text, the output its "# → " lines say the reader should see)."""
     with tempfile.TemporaryDirectory() as bin_dir:
         wrapper = os.path.join(bin_dir, "python3")
         with open(wrapper, "w", encoding="utf-8") as handle:
             handle.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [sys.executable, *flags])) + ' "$@"\n')
         os.chmod(wrapper, 0o755)
-        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONDONTWRITEBYTECODE="1")
+        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which the test removes
+        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONDONTWRITEBYTECODE="1",
+                   TMPDIR=folder)
         done = subprocess.run(["bash"], input=block.encode("utf-8"), cwd=folder, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=WATCHDOG * 4)
     expected = [line[len("# → "):] for line in block.splitlines() if line.startswith("# → ")]
