@@ -1678,13 +1678,17 @@ def run_forked(function, *args):
 
 @functools.lru_cache(maxsize=None)
 def newer_python():
-    """A CPython 3.12 or newer on PATH when this one is older, so the tests meet 3.12's sqlite3 (its
-    ``autocommit`` setting) on every run; None when this one is new enough or none is found."""
+    """A CPython 3.12 or newer when this one is older, so the tests meet 3.12's sqlite3 (its
+    ``autocommit`` setting) on every run: on PATH, or installed by pyenv though not selected.
+    Returns the interpreter itself (a pyenv shim resolved), or None when none is found."""
+    pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
     for minor in range(20, 11, -1) if sys.version_info < (3, 12) else ():
-        found = shutil.which(f"python3.{minor}")
-        if found and subprocess.run([found, "-I", "-c", "import sqlite3; sqlite3.Connection.autocommit"],
-                                    capture_output=True, timeout=WATCHDOG).returncode == 0:
-            return found
+        installed = sorted(glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin", f"python3.{minor}")))
+        for found in [shutil.which(f"python3.{minor}"), *reversed(installed)]:
+            probe = "import sqlite3, sys; sqlite3.Connection.autocommit; print(sys.executable)"
+            done = found and subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True, timeout=WATCHDOG)
+            if done and done.returncode == 0 and os.path.isabs(done.stdout.decode("utf-8").strip()):
+                return done.stdout.decode("utf-8").strip()
     return None
 
 
@@ -1702,7 +1706,8 @@ def walk_through(block, folder, flags=()):
     with tempfile.TemporaryDirectory() as bin_dir:
         wrapper = os.path.join(bin_dir, "python3")
         with open(wrapper, "w", encoding="utf-8") as handle:
-            handle.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [sys.executable, *flags])) + ' "$@"\n')
+            # -S: the download needs no site-packages, and a host's .pth hooks cost every command time
+            handle.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [sys.executable, "-S", *flags])) + ' "$@"\n')
         os.chmod(wrapper, 0o755)
         # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which the test removes
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONDONTWRITEBYTECODE="1",

@@ -1214,8 +1214,10 @@ connection.close()
             with open(os.path.join(folder, "kit.py"), "w", encoding="utf-8") as handle:
                 handle.write(KIT_IMPORTS + "\n\n" + "\n\n\n".join(found[name][1] for name in kit) + "\n")
             script = "\n".join(["import os, sys", f"folder = {folder!r}", "sys.path.insert(0, folder)", "import kit",
+                                # each interpreter its own database: they run at the same time
+                                "folder = os.path.join(folder, sys.implementation.cache_tag)", "os.mkdir(folder)",
                                 recipe, check, "print('ok')"])
-            done = run_experiment.run_together([[python, "-I", *SAME_FLAGS, "-c", script] for python in interpreters])
+            done = run_experiment.run_together([[python, "-I", "-S", *SAME_FLAGS, "-c", script] for python in interpreters])
         for python, (code, out, err) in zip(interpreters, done):
             with self.subTest(python=python):
                 self.assertEqual((code, out, err.decode("utf-8")), (0, b"ok\n", ""))
@@ -1397,12 +1399,12 @@ class DriverScenarios(unittest.TestCase):
             # The article's command, on one scenario of each group: the same imports, registration and
             # comparison as the whole run (which the README's --check already does), at a fraction of the
             # time; meanwhile another process imports the tests and counts what the driver registered.
-            # Both run with this run's interpreter flags (-X dev, -W error).
+            # Both run with this run's interpreter flags (-X dev, -W error), without site-packages (-S).
             commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected", "preconditions/after_commit"],
                         ["-c", "import sys, test_preconditions, run_experiment; print(len(run_experiment.SCENARIOS),"
                                " 'reliability' in sys.modules)"]]
             (code, check, _), imported = run_experiment.run_together(
-                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=folder, env=env)
+                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands], cwd=folder, env=env)
             self.assertEqual(code, 0, check.decode("utf-8"))
             self.assertIn(b"2/2 scenarios match results.json", check)
             self.assertEqual(imported, (0, f"{len(ARTICLE_7) + len(MATRIX)} False\n".encode(), b""))

@@ -2651,11 +2651,13 @@ class CopyKitTest(unittest.TestCase):
             self.kit(names, directory, "kit")
             script = "\n".join([
                 "import os, sys", f"folder = {directory!r}", "sys.path.insert(0, folder)", "import kit",
+                # each interpreter its own databases: they run at the same time
+                "folder = os.path.join(folder, sys.implementation.cache_tag)", "os.mkdir(folder)",
                 f"SCHEMAS = {reliability.SCHEMAS!r}", f"PAYLOAD, OTHER_PAYLOAD = {PAYLOAD!r}, {OTHER_PAYLOAD!r}",
                 recipe[0], check,
                 "assert kit.Conflict.__module__ == 'kit' and not os.path.exists(os.path.join(folder, 'reliability.py'))",
                 "print('ok', sys.version_info >= (3, 12))"])
-            done = run_experiment.run_together([[python, "-I", *SAME_FLAGS, "-c", script] for python in interpreters])
+            done = run_experiment.run_together([[python, "-I", "-S", *SAME_FLAGS, "-c", script] for python in interpreters])
         for python, (code, out, err) in zip(interpreters, done):
             with self.subTest(python=python):
                 self.assertEqual((code, err.decode("utf-8")), (0, ""))
@@ -2859,7 +2861,7 @@ class DriverTest(unittest.TestCase):
         # A 60 s torture run is surely still running, workers and tool children included, when the
         # interrupt lands right after its first line: the timing of the machine does not matter.
         with tempfile.TemporaryDirectory() as directory:
-            child = subprocess.Popen([sys.executable, os.path.join(HERE, "run_experiment.py"), "--torture", "60"],
+            child = subprocess.Popen([sys.executable, "-S", os.path.join(HERE, "run_experiment.py"), "--torture", "60"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                      env=dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1"))
             try:
@@ -3015,7 +3017,7 @@ class DriverTest(unittest.TestCase):
                         ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
                                " 'preconditions' in sys.modules)"]]
             (code, check, _), imported = run_experiment.run_together(
-                [[sys.executable, *SAME_FLAGS, *command] for command in commands], cwd=directory, env=env)
+                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands], cwd=directory, env=env)
             self.assertEqual(code, 0, check.decode("utf-8"))
             self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
