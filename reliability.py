@@ -618,19 +618,19 @@ def canonical(payload):
     """
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
-    todo, seen = [(payload, 1)], 0
-    while todo:  # without recursion, and each value at least one byte: a shared one counts each time
-        (value, depth), seen = todo.pop(), seen + 1
-        if depth > MAX_PAYLOAD_DEPTH or seen > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or holds over {MAX_PAYLOAD_BYTES} values")
-        if isinstance(value, (dict, list, tuple)):
-            todo += [(inner, depth + 1) for inner in (value.values() if isinstance(value, dict) else value)]
+    level, inner, depth, seen = [payload], [], 1, 1
+    while level:  # a level at a time, without recursion; each value takes a byte, a shared one each time
+        for value in level:  # json would turn a key 1 into "1" and a tuple into a list
+            if isinstance(value, tuple) or isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+                raise TypeError("payload is not exact JSON: keys must be str and arrays lists")
+            inner += value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+            if seen + len(inner) > MAX_PAYLOAD_BYTES or inner and depth == MAX_PAYLOAD_DEPTH:
+                raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or holds over {MAX_PAYLOAD_BYTES} values")
+        level, inner, depth, seen = inner, [], depth + 1, seen + len(inner)
     try:
         text = _dumps(payload)
     except (TypeError, ValueError) as error:
         raise type(error)(f"payload is not exact JSON: {error}") from None
-    if json.loads(text) != payload:  # json turns int keys into strings and tuples into lists
-        raise TypeError("payload is not exact JSON: keys must be str and arrays lists")
     data = text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
     if len(data) > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload exceeds {MAX_PAYLOAD_BYTES} bytes in canonical form")

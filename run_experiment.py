@@ -57,7 +57,7 @@ except ModuleNotFoundError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
-WATCHDOG = 15.0  # seconds: only stops a hung child, never paces a scenario
+WATCHDOG = 60.0  # seconds: only stops a hung child, never paces a scenario
 JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
 USE_FORK = hasattr(os, "fork")  # children forked (a few ms) rather than fresh interpreters (~30 ms); --exec: fresh
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent

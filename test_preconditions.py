@@ -35,7 +35,7 @@ import run_experiment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "preconditions.py")
-WATCHDOG = 15  # seconds; only prevents a hung test, never a measurement
+WATCHDOG = 60  # seconds; only prevents a hung test, never a measurement
 # This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
 SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{option}" for option in sys.warnoptions]
 START = ({"A": (10, 1), "B": (0, 1)}, 0, 0)  # (name: (quantity, revision)), effects, receipts
