@@ -199,7 +199,7 @@ def receive(connection, caller, key, payload, *, issued_at, now):
         if old:
             if old[0] != digest.encode():
                 raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-            if not old[2] or hashlib.sha256(old[3]).hexdigest() != digest:
+            if not old[2] or old[3] != text.encode():  # the ticket holds this very payload
                 raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its ticket")
             return {"caller": caller, "key": key, "digest": digest, "ticket_id": old[1]}
         low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
@@ -613,28 +613,28 @@ def snapshot(connection):
 def canonical(payload):
     """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.
 
-    What JSON cannot carry exactly (NaN, non-str keys, tuples, bytes, sets), deeper than
-    MAX_PAYLOAD_DEPTH or larger than MAX_PAYLOAD_BYTES raises before any transaction.
+    Only exact JSON types (dict with str keys, list, str, int, float, bool, None; no NaN),
+    at most MAX_PAYLOAD_DEPTH deep and MAX_PAYLOAD_BYTES long, else it raises before any transaction.
     """
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
-    level, inner, depth, seen = [payload], [], 1, 1
-    while level:  # a level at a time, without recursion; each value takes a byte, a shared one each time
-        for value in level:  # json would turn a key 1 into "1" and a tuple into a list
-            if isinstance(value, tuple) or isinstance(value, dict) and not all(isinstance(k, str) for k in value):
-                raise TypeError("payload is not exact JSON: keys must be str and arrays lists")
-            inner += value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-            if seen + len(inner) > MAX_PAYLOAD_BYTES or inner and depth == MAX_PAYLOAD_DEPTH:
-                raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or holds over {MAX_PAYLOAD_BYTES} values")
-        level, inner, depth, seen = inner, [], depth + 1, seen + len(inner)
-    try:
-        text = _dumps(payload)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"payload is not exact JSON: {error}") from None
-    data = text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
+    level, inner, depth, least = [payload], [], 1, 0
+    while level:  # a level at a time, without recursion, counting the fewest bytes each value takes
+        for value in level:  # exact types: json writes a key 1 as "1", a tuple or a subclass in its own way
+            kind = type(value)
+            if kind not in (dict, list, str, int, float, bool, type(None)) or kind is float and value - value != 0 \
+                    or kind is dict and not all(type(name) is str for name in value):  # NaN - NaN is NaN
+                raise TypeError(f"payload is not exact JSON: a {kind.__name__} that is NaN, has a key not str or is no JSON type")
+            least += 1 + (len(value) + 1 if kind is str else value.bit_length() // 5 if kind is int else 0)  # quotes, digits
+            least += 3 * len(value) + sum(map(len, value)) if kind is dict else len(value) if kind is list else 0  # , : keys
+            if least > MAX_PAYLOAD_BYTES or depth == MAX_PAYLOAD_DEPTH and kind in (dict, list) and value:
+                raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds {MAX_PAYLOAD_BYTES} bytes")
+            inner += value.values() if kind is dict else value if kind is list else ()  # only once counted
+        level, inner, depth = inner, [], depth + 1
+    data = _dumps(payload).encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
     if len(data) > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload exceeds {MAX_PAYLOAD_BYTES} bytes in canonical form")
-    return text, hashlib.sha256(data).hexdigest()
+    return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
 
 
 def check_identity(caller, key):

@@ -786,6 +786,16 @@ class ReceiptTest(Case):
             self.assertEqual(receive(ws)["ticket_id"], 1)  # the lock is free again
 
 
+class _HidingList(list):  # json reads a list its own way: what iter() shows need not be what it writes
+    def __iter__(self):
+        return iter(())
+
+
+class _HidingDict(dict):  # and a dict through items(), not values()
+    def values(self):
+        return []
+
+
 BAD_PAYLOADS = {
     "NaN": {"a": float("nan")}, "Infinity": {"a": float("inf")}, "-Infinity": {"a": float("-inf")},
     "int dict key": {1: "a"}, "nested int dict key": {"a": {2: "b"}}, "bool dict key": {True: "a"},
@@ -795,6 +805,8 @@ BAD_PAYLOADS = {
     "over-size payload": {"a": "x" * MAX_PAYLOAD_BYTES},
     "over-size in UTF-8 bytes only": {"a": "é" * (MAX_PAYLOAD_BYTES // 2)},
     "lone surrogate value": {"a": "\ud800"}, "lone surrogate key": {"\udc00": 1},
+    "list subclass hiding a tuple": {"a": _HidingList([(1, 2)])}, "dict subclass hiding one": {"a": _HidingDict(b=(1,))},
+    "str subclass": {"a": type("Text", (str,), {})("x")}, "int subclass": {"a": type("Number", (int,), {})(1)},
 }
 BAD_IDENTITIES = {"empty": "", "over-long": "k" * (reliability.MAX_IDENTITY_LENGTH + 1), "int": 7,
                   "bytes": b"k1", "None": None, "lone surrogate": "k\ud800"}
@@ -880,14 +892,19 @@ class ValidationTest(Case):
             ws.receiver.set_trace_callback(None)
             self.assertEqual(statements, [])  # not even BEGIN IMMEDIATE
 
-
-
-    def test_a_payload_of_many_shared_values_is_refused_at_once(self):
+    def test_a_payload_of_many_shared_values_is_refused_before_it_is_encoded(self):
         shared = []
         for _ in range(25):  # 2 ** 25 values to walk, 26 levels deep, each no more than a pointer to the last
             shared = [shared, shared]
-        with self.assertRaisesRegex(ValueError, "values"):  # counted as walked: refused long before the end
-            reliability.canonical({"x": shared})
+        text, number = "x" * 20000, 10 ** 4000  # one object each, written 60,000 times
+        payloads = {"shared lists": {"x": shared}, "a shared string": {"a": [text] * 60000},
+                    "a shared int": {"a": [number] * 60000}, "a shared long key": {"a": [{"k" * 20000: 0}] * 30000},
+                    "one long list": {"a": [0] * (MAX_PAYLOAD_BYTES // 2)}}
+        for label, payload in payloads.items():  # counted as walked, each value's fewest bytes each time it is met
+            with self.subTest(label), mock.patch.object(reliability, "_dumps", side_effect=AssertionError("encoded")):
+                with self.assertRaisesRegex(ValueError, "exceeds 65536 bytes"):
+                    reliability.canonical(payload)
+        self.assertEqual(len(reliability.canonical({"a": [0] * (MAX_PAYLOAD_BYTES // 2 - 4)})[0]), MAX_PAYLOAD_BYTES - 1)
 
     def test_the_command_line_refuses_a_repeated_key_or_json_nested_too_deeply_in_one_line(self):
         with workspace() as ws:
