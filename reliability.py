@@ -712,9 +712,10 @@ def _open(path, application_ids):
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
     real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
-    if not stat.S_ISREG(os.stat(real).st_mode):
+    found = os.stat(real)
+    if not stat.S_ISREG(found.st_mode):
         raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
-    if os.stat(real).st_nlink > 1:
+    if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
     for what, where, need in (("file", real, os.R_OK | os.W_OK), ("-wal", real + "-wal", os.R_OK | os.W_OK),
@@ -725,16 +726,17 @@ def _open(path, application_ids):
                                   " (WAL writes -wal and -shm beside the file)", where)
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-    leftover = os.path.exists(real + "-wal") and not os.path.exists(real + "-shm")  # no process had it open
+    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
     try:
         # Checked read-only first, so a refused file is left as it was: a read-only connection never
         # checkpoints (not even another database's -wal beside it), and with no -wal to read it
-        # looks at the file alone (immutable).  A leftover -wal is checked whole before it is used.
-        alone = "&immutable=1" if not os.path.exists(real + "-wal") else ""
+        # looks at the file alone (immutable).  A -wal left without a -shm (no process had it
+        # open) is checked whole before it is used.
+        alone = "" if wal else "&immutable=1"
         with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
             kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
                              ("application_id", "user_version"))
-            if leftover and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
+            if wal and not shm and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
                 raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the file (quick_check)")
         if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
             kind, version = version, 1

@@ -991,23 +991,15 @@ def _torture_worker(base, index, seed, started, deadline, alive, operations=None
 
 
 def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write, operations=None):
-    sys.stdout.flush()  # or the worker, which flushes before each fork, would print it again
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the worker keeps the liveness pipe's write end, and so do its tool children
-        code = 1
+    def worker():  # it keeps the liveness pipe's write end, and so do its tool children
+        os.close(alive_read)
         try:
-            os.close(alive_read)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back by spawn() in the parent
-            random.seed()  # siblings must not share the back-off sequence
-            code = _torture_worker(base, index, seed, started, deadline, alive_write, operations)
-        except BaseException as error:
+            return _torture_worker(base, index, seed, started, deadline, alive_write, operations)
+        except BaseException as error:  # for the report; the exit code 1 says it failed
             with open(_torture_file(base, index, "error"), "w", encoding="utf-8") as handle:
                 handle.write(f"{type(error).__name__}: {error}")
-        finally:
-            os._exit(code)
-    return pid
+            return 1
+    return fork(worker)
 
 
 def _torture_reap(base, index, pid, violations):
@@ -1274,16 +1266,12 @@ def check_integrity(run):
             run.expect(f"integrity of {name}", run.integrity[name], "ok")
 
 
-@contextlib.contextmanager
 def reader(path):
-    """A read-only connection for the observer: it sees what was committed, and its close
-    never checkpoints, so observing does not change how the next process finds the files."""
-    connection = sqlite3.connect("file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f")
-                                 .replace("#", "%23") + "?mode=ro", uri=True, isolation_level=None)
-    try:
-        yield connection
-    finally:
-        connection.close()
+    """A read-only connection for the observer, closed on leaving ``with``: it sees what was
+    committed, and its close never checkpoints, so observing does not change how the next
+    process finds the files."""
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    return contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None))
 
 
 def run_all(names, jobs=JOBS):
@@ -1420,6 +1408,14 @@ def heard(children, lane="child"):
                     child.run.log(lane, line)
 
 
+def reap(children):
+    """Kill any of ``children`` still running and reap every one: none is left behind."""
+    for child in children:
+        if child.returncode is None:
+            child.kill()
+            child.communicate()
+
+
 @contextlib.contextmanager
 def batch(run, commands):
     """Start a child of ``run`` for each (module, *args); on leaving, whatever happened, any
@@ -1430,10 +1426,7 @@ def batch(run, commands):
             children.append(start(*command, run=run))
         yield children
     finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                child.communicate()
+        reap(children)
         heard(children)
 
 
@@ -1457,8 +1450,7 @@ def finish(child, stdin_text=None):
     try:
         output, _ = child.communicate(stdin_text and stdin_text.encode("utf-8"), timeout=WATCHDOG)
     except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
+        reap([child])
         raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
     return child.wait(), output.decode("utf-8").splitlines()
 
@@ -1555,48 +1547,62 @@ def fork_start(module, argv, keep=(), stderr=None):
                                        " close that connection before forking")
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the driver
-        code = 1
+
+    def child():
+        os.dup2(stdin_r, 0)
+        os.dup2(stdout_w, 1)
+        if stderr is not None:
+            os.dup2(stderr, 2)
+        # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
+        # children (their EOF would wait for this one), nor a writer queue a dead parent held.
+        low = 3
+        for fd in sorted(keep):
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+        if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
+            reliability.start_child = start_tool
+        sys.stdin = open(0, encoding="utf-8", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
         try:
-            os.dup2(stdin_r, 0)
-            os.dup2(stdout_w, 1)
-            if stderr is not None:
-                os.dup2(stderr, 2)
-            # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
-            # children (their EOF would wait for this one), nor a writer queue a dead parent held.
-            low = 3
-            for fd in sorted(keep):
-                os.closerange(low, fd)
-                low = fd + 1
-            os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
-            if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
-                reliability.start_child = start_tool
-            sys.stdin = open(0, encoding="utf-8", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-            random.seed()  # siblings must not share the parent's back-off sequence
-            try:
-                code = module.main(list(argv))
-            except SystemExit as exit:  # argparse's usage error (exit 2)
-                code = exit.code
-            except BaseException:
-                traceback.print_exc()  # os._exit below would swallow it
-                code = 1
-            if code is None:
-                code = 0
-            elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
-                sys.stderr.write(f"{code}\n")
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+            code = module.main(list(argv))
+        except SystemExit as exit:  # argparse's usage error (exit 2)
+            code = exit.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
+            sys.stderr.write(f"{code}\n")
+            code = 1
+        return code
+    pid = fork(child)
     os.close(stdin_r)
     os.close(stdout_w)
     return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
+
+
+def fork(child):
+    """Fork a child that runs ``child()`` and exits with the code it returns, never returning
+    into the caller: 1 if it raises (its traceback on stderr, which os._exit would swallow).
+    In the child Ctrl-C ends it quietly (the driver reports), and its random numbers are
+    its own, so that siblings do not share the parent's back-off sequence."""
+    sys.stdout.flush()  # or the child would print what is buffered again
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # torture holds it back around a fork
+            random.seed()
+            code = child()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):  # what the child wrote: os._exit flushes nothing
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+    return pid
 
 
 def fork_main(module, argv, stdin=b"", at_ready=None):
@@ -1615,9 +1621,7 @@ def fork_main(module, argv, stdin=b"", at_ready=None):
                 stdin = b"GO\n"
             out, _ = child.communicate(stdin, timeout=WATCHDOG)
         finally:
-            if child.returncode is None:
-                child.kill()
-                child.communicate()
+            reap([child])
         stderr.seek(0)
         return child.returncode, out, stderr.read()
 
@@ -1636,31 +1640,19 @@ def run_together(commands, stdin=b"", **options):
             done.append((child.returncode, out, err))
         return done
     finally:
-        for child in children:
-            if child.returncode is None:
-                child.kill()
-                child.communicate()
+        reap(children)
 
 
 def fork_json(function, *args):
     """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
     reader, writer = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: reports and never returns into the caller
-        code = 1
-        try:
-            os.close(reader)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it quietly; the driver reports
-            random.seed()  # siblings must not share the parent's back-off sequence
-            with os.fdopen(writer, "w", encoding="utf-8") as pipe:
-                json.dump(function(*args), pipe)
-            code = 0
-        except BaseException:
-            traceback.print_exc()  # os._exit below would swallow it
-        finally:
-            os._exit(code)
+
+    def child():
+        os.close(reader)
+        with os.fdopen(writer, "w", encoding="utf-8") as pipe:
+            json.dump(function(*args), pipe)
+        return 0
+    pid = fork(child)
     os.close(writer)
     return pid, reader
 
@@ -1699,23 +1691,60 @@ def readme_blocks(language, path=os.path.join(HERE, "README.md")):
     return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
 
 
-def walk_through(block, folder, flags=()):
-    """Run a README walk-through as printed, for the tests: bash in ``folder`` (its temporary folder
-    too), where ``python3`` is this interpreter (with ``flags``).  Returns (exit code, its stdout and stderr interleaved as
-    text, the output its "# → " lines say the reader should see)."""
-    with tempfile.TemporaryDirectory() as bin_dir:
+def readme_table(first, path=os.path.join(HERE, "README.md")):
+    """The rows (lists of cells) of the README.md table whose first line starts with ``first``;
+    where that line is a header, it and its --- line are left out."""
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    if lines[start + 1:start + 2] and lines[start + 1].startswith("| ---"):
+        start += 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def in_order(text, fragments):
+    """The first of ``fragments`` that ``text`` does not hold after the one before it; None if none."""
+    position = 0
+    for fragment in fragments:
+        found = text.find(fragment, position)
+        if found < 0:
+            return fragment
+        position = found + len(fragment)
+    return None
+
+
+def holds_figures(cell, values):
+    """A README cell gives ``values``: its numbers are exactly the ints, and the strings are in order."""
+    numbers = [str(value) for value in values if isinstance(value, int)]
+    return re.findall(r"\d+", cell) == numbers and in_order(cell, [v for v in values if isinstance(v, str)]) is None
+
+
+def walk_through(block, files, flags=()):
+    """Run a README walk-through as printed, for the tests: bash in a fresh folder holding a copy
+    of ``files`` (also its temporary folder), where ``python3`` is this interpreter (with
+    ``flags``).  Returns (exit code, its stdout and stderr interleaved as text, the first
+    output its "# → " lines say the reader should see that did not come, in their order)."""
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as bin_dir:
+        for name in files:
+            shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
         wrapper = os.path.join(bin_dir, "python3")
         with open(wrapper, "w", encoding="utf-8") as handle:
             # -S: the download needs no site-packages, and a host's .pth hooks cost every command time
             handle.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [sys.executable, "-S", *flags])) + ' "$@"\n')
         os.chmod(wrapper, 0o755)
-        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which the test removes
+        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which goes with it
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), PYTHONDONTWRITEBYTECODE="1",
                    TMPDIR=folder)
         done = subprocess.run(["bash"], input=block.encode("utf-8"), cwd=folder, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, timeout=WATCHDOG * 4)
-    expected = [line[len("# → "):] for line in block.splitlines() if line.startswith("# → ")]
-    return done.returncode, done.stdout.decode("utf-8"), expected
+    out = done.stdout.decode("utf-8")
+    return done.returncode, out, in_order(out, [line[len("# → "):] for line in block.splitlines()
+                                                 if line.startswith("# → ")])
 
 
 # --- PostgreSQL, for the tests of the README's PostgreSQL edition ----------------------------
@@ -1778,15 +1807,14 @@ def _pg_tied(uid=None, gid=None, death_signal=signal.SIGKILL):
 
 
 class PgCluster:
-    """What a running throw-away cluster is made of; see start_cluster()."""
+    """What a running throw-away cluster is made of; see pg_start().  Its folder is also
+    where the server's socket is (unix_socket_directories)."""
 
     def __init__(self, bindir, folder):
         self.bindir, self.folder = bindir, folder
-        self.socket = folder  # unix_socket_directories
         self.data = os.path.join(folder, "data")
         self.log = os.path.join(folder, "server.log")
         self.process = None
-        self.started_in = None  # seconds, initdb included
 
     def __enter__(self):
         return self
@@ -1796,7 +1824,7 @@ class PgCluster:
 
 
 def pg_start(bindir=None):
-    """initdb and start a server in a new temporary folder; returns a Cluster.
+    """initdb and start a server in a new temporary folder; returns its PgCluster.
 
     The folder, the data and the server belong to uid 65534 when we are root.
     Anything that fails on the way stops and removes what was started.
@@ -1822,7 +1850,7 @@ def pg_start(bindir=None):
                            preexec_fn=_pg_tied(uid, gid))
             # SIGQUIT on our death: an immediate shutdown, which also frees its shared memory.
             cluster.process = subprocess.Popen(
-                [os.path.join(bindir, "postgres"), "-D", cluster.data, "-k", cluster.socket,
+                [os.path.join(bindir, "postgres"), "-D", cluster.data, "-k", cluster.folder,
                  "-c", "listen_addresses=", "-c", "fsync=off", "-c", "synchronous_commit=off",
                  "-c", "full_page_writes=off", "-c", "max_connections=60", "-c", "deadlock_timeout=100ms",
                  "-c", "dynamic_shared_memory_type=mmap", "-c", "autovacuum=off"],
@@ -1835,13 +1863,16 @@ def pg_start(bindir=None):
     atexit.register(pg_stop, cluster)
     _pg_running.append(cluster)
     _pg_stop_on_signals()
-    cluster.started_in = time.monotonic() - started
     return cluster
 
 
+def _pg_bases():
+    # A memory file system first (initdb writes ~40 MB, mostly catalogue files).
+    return "/dev/shm", tempfile.gettempdir(), "/tmp"
+
+
 def _pg_base():
-    # A memory file system when it has room (initdb writes ~40 MB, mostly catalogue files).
-    for base in ("/dev/shm", tempfile.gettempdir(), "/tmp"):
+    for base in _pg_bases():  # the first with room
         try:
             space = os.statvfs(base)
         except OSError:
@@ -1871,7 +1902,7 @@ def _pg_ready(cluster, deadline):
 
 def _pg_stop_on_signals():
     # SIGKILL cannot be caught: then the server dies by its parent-death signal, and the
-    # folder is removed by the next start_cluster() (remove_stale_folders).
+    # folder is removed by the next pg_start() (_pg_remove_stale).
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -1927,8 +1958,7 @@ def pg_cluster():
 
 def _pg_remove_stale():
     """Remove folders an earlier run left behind (it was killed) whose owner is gone."""
-    for folder in set(glob.glob(os.path.join(tempfile.gettempdir(), PG_FOLDER_PREFIX + "*")) +
-                      glob.glob("/dev/shm/" + PG_FOLDER_PREFIX + "*") + glob.glob("/tmp/" + PG_FOLDER_PREFIX + "*")):
+    for folder in {path for base in _pg_bases() for path in glob.glob(os.path.join(base, PG_FOLDER_PREFIX + "*"))}:
         try:
             with open(os.path.join(folder, "owner.pid")) as f:
                 owner = int(f.read())
@@ -1965,7 +1995,7 @@ def _pg_tail(path, lines=20):
 
 def _pg_psql_command(cluster, database, *extra):
     return [os.path.join(cluster.bindir, "psql"), "-X", "-q", "-A", "-t", "-F", PG_SEPARATOR,
-            "-v", "ON_ERROR_STOP=1", "-h", cluster.socket, "-U", PG_SUPERUSER, "-d", database, *extra]
+            "-v", "ON_ERROR_STOP=1", "-h", cluster.folder, "-U", PG_SUPERUSER, "-d", database, *extra]
 
 
 def _pg_env():
@@ -1981,9 +2011,7 @@ def pg_psql(cluster, database, sql, timeout=PG_WATCHDOG):
     try:
         out, err = process.communicate(sql.encode("utf-8"), timeout=timeout)
     finally:
-        if process.poll() is None:  # timed out or interrupted
-            process.kill()
-            process.communicate()
+        reap([process])  # timed out or interrupted
         _pg_clients.discard(process)
     if process.returncode != 0:
         raise RuntimeError(f"psql exited with {process.returncode}: {err.decode('utf-8', 'replace')}")
@@ -1994,7 +2022,7 @@ class PgSession:
     """One psql process kept open: query() sends SQL and returns the rows it printed.
 
     Any error ends the session (ON_ERROR_STOP) and raises RuntimeError; a reply that
-    does not come within WATCHDOG seconds kills it.
+    does not come within PG_WATCHDOG seconds kills it.
     """
 
     def __init__(self, cluster, database):
@@ -2120,11 +2148,8 @@ def pg_race(session, scripts, *, before=None, after=None, timeout=PG_WATCHDOG):
             after(phases - 1)
         return [_pg_phases(_pg_read(folder, i, "out"), phases) for i in range(count)]
     finally:
-        for client in clients:
-            if client.poll() is None:
-                client.kill()
-            client.wait()
-            _pg_clients.discard(client)
+        reap(clients)
+        _pg_clients.difference_update(clients)
         if session.process.poll() is None:
             session.query("SELECT pg_advisory_unlock_all()")
         shutil.rmtree(folder, ignore_errors=True)
@@ -2168,7 +2193,7 @@ def _pg_phases(text, phases):
 
 
 PG_SKIP = ("PostgreSQL not found: install postgresql (Debian: apt-get install postgresql) to run these tests"
-        " (initdb, pg_ctl, postgres, psql on PATH or in /usr/lib/postgresql/*/bin)")
+           " (initdb, pg_ctl, postgres, psql on PATH or in /usr/lib/postgresql/*/bin)")
 _pg_skip_said = []
 _pg_databases = [0]
 

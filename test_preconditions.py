@@ -857,6 +857,16 @@ class FilesAndSchema(Case):
 class CommandLine(Case):
     """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2/73."""
 
+    def test_help_lists_every_command_and_execute_its_boundaries_with_their_exit_codes(self):
+        code, out, _ = run_experiment.fork_main(pre, ["--help"])  # through sys.stdout: flushed before the exit
+        self.assertEqual(code, 0)
+        for command in ("init", "execute", "change", "purge", "snapshot", "unsafe-check-then-act"):
+            self.assertIn(command.encode(), out)
+        code, out, _ = run_experiment.fork_main(pre, ["execute", "--help"])
+        self.assertEqual(code, 0)
+        self.assertIn(", ".join(f"{b} {n}" for b, n in pre.EXIT_CODES.items()), " ".join(out.decode().split()))
+        self.assertEqual(sorted(pre.EXIT_CODES.values()), [71, 72, 73])
+
     def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
         # The real entry point, `python3 -I -S preconditions.py ...` and its sys.exit(main()), once per
         # exit code, side by side; the other tests fork main(argv) as the driver does.
@@ -1307,13 +1317,8 @@ class ReadmeForArticle7(unittest.TestCase):
             self.assertTrue(said in self.text, f"README.md does not say {said!r}")
 
     def test_the_scenario_table_gives_results_jsons_figures(self):
-        start = self.lines.index(next(line for line in self.lines if line.startswith("| `unsafe_check_then_act`")))
-        rows = {}
-        for line in self.lines[start:]:
-            if not line.startswith("|"):
-                break
-            cells = [cell.strip() for cell in line.strip("|").split("|")]
-            rows[re.match(r"`(\w+)`", cells[0]).group(1)] = cells[2]
+        rows = {re.match(r"`(\w+)`", cells[0]).group(1): cells[2]
+                for cells in run_experiment.readme_table("| `unsafe_check_then_act`")}
         self.assertEqual(list(rows), ARTICLE_7)
         seven = committed_results()["article_7"]
         for name, cell in rows.items():
@@ -1324,22 +1329,14 @@ class ReadmeForArticle7(unittest.TestCase):
                     value = value[key]
                 values.append(value)
             with self.subTest(name):  # the values in order, and no other number
-                self.assertEqual(re.findall(r"\d+", cell), [str(v) for v in values if isinstance(v, int)], cell)
-                position = 0
-                for value in (v for v in values if isinstance(v, str)):
-                    position = cell.index(value, position) + len(value)
+                self.assertTrue(run_experiment.holds_figures(cell, values), f"{cell!r} does not give {values!r}")
 
     def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_what_it_says(self):
         [block] = [block for block in run_experiment.readme_blocks("sh") if "python3 preconditions.py init" in block]
         self.assertGreaterEqual(len([line for line in block.splitlines() if line.startswith("python3")]), 10)
-        with tempfile.TemporaryDirectory() as folder:
-            for name in ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md"):
-                shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
-            code, out, expected = run_experiment.walk_through(block, folder, SAME_FLAGS)
-        position = 0
-        for fragment in expected:  # each where the reader is told to look, in the block's order
-            self.assertIn(fragment, out[position:], out)
-            position = out.index(fragment, position) + len(fragment)
+        five = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md")
+        code, out, unseen = run_experiment.walk_through(block, five, SAME_FLAGS)
+        self.assertIsNone(unseen, out)  # each output where the reader is told to look, in the block's order
         self.assertEqual(code, 0, out)
         self.assertNotIn("Traceback", out)
 
