@@ -2056,6 +2056,112 @@ class PermissionTest(Case):
                     self.assertEqual(file_bytes(path), content)
 
 
+def _write_in_turn(database, name, log):
+    """A writer in its own process: in its turn, it adds its name to ``log``."""
+    with contextlib.closing(reliability.connect(database)) as connection:
+        with reliability.queued(connection, deadline=WATCHDOG):
+            with open(log, "a", encoding="utf-8") as handle:
+                handle.write(name + "\n")
+    return name
+
+
+def _give_up_and_stay(database, said, leave):
+    """Gives up at once in line (deadline 0), says so, and stays alive until told to leave."""
+    os.write(said, _queue_once(database).encode())
+    return os.read(leave, 1).decode()
+
+
+def _hold_turn(database, entered, leave):
+    with contextlib.closing(reliability.connect(database)) as connection:
+        with reliability.queued(connection, deadline=0):  # alone: no wait
+            os.write(entered, b"in")
+            return os.read(leave, 1).decode()
+
+
+def tickets_drawn(database):
+    """How many tickets writers have drawn from ``<db>-queue``: its first 8 bytes."""
+    with open(database + "-queue", "rb") as handle:
+        return int.from_bytes(handle.read(8).ljust(8, b"\0"), "big")
+
+
+def locked_by_another(database, byte):
+    """Whether another process holds a lock on ``byte`` of ``<db>-queue``.  Never call it from a
+    process in its turn: closing any descriptor of a file drops all the process's locks on it."""
+    with open(database + "-queue", "rb") as handle:
+        try:
+            reliability.fcntl.lockf(handle.fileno(), reliability.fcntl.LOCK_SH | reliability.fcntl.LOCK_NB, 1, byte)
+        except OSError:
+            return True
+        reliability.fcntl.lockf(handle.fileno(), reliability.fcntl.LOCK_UN, 1, byte)
+        return False
+
+
+class Line:
+    """Writers forked one at a time, each once the one before holds its place in line, so the
+    order they came in is forced.  The turn is first held by a process of its own, since the
+    test's own opening of ``<db>-queue`` would drop it.  On leaving, every child is reaped."""
+
+    def __init__(self, database, log):
+        self.database, self.log, self.writers, self.holder = database, log, {}, None
+
+    def __enter__(self):
+        entered, self.entered = os.pipe()
+        self.leave, go = os.pipe()
+        self.holder = run_experiment.fork_json(_hold_turn, self.database, self.entered, self.leave)
+        os.close(self.entered)
+        os.close(self.leave)
+        self.go = go
+        assert select.select([entered], [], [], WATCHDOG)[0] and os.read(entered, 2) == b"in", "no turn"
+        os.close(entered)
+        return self
+
+    def release(self):
+        """The first holder leaves its turn."""
+        os.write(self.go, b"!")
+        self.finish_child(*self.holder, "the holder")
+        self.holder = None
+
+    def join(self, name):
+        ticket = tickets_drawn(self.database)
+        self.writers[name] = run_experiment.fork_json(_write_in_turn, self.database, name, self.log)
+        watchdog = time.monotonic() + WATCHDOG  # only ends a hang: its place in line is what is awaited
+        while not locked_by_another(self.database, reliability.QUEUE_PLACES + ticket) or \
+                locked_by_another(self.database, reliability.QUEUE_COUNTER):
+            assert time.monotonic() < watchdog, f"{name} never took its place in line"
+            time.sleep(0.001)
+
+    def finish(self, name):
+        return self.finish_child(*self.writers.pop(name), name)
+
+    @staticmethod
+    def finish_child(pid, reader, name):
+        with os.fdopen(reader, encoding="utf-8") as pipe:
+            assert select.select([pipe], [], [], WATCHDOG)[0], f"{name} never ended"
+            said = pipe.read()
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), said
+
+    def kill(self, name):
+        pid, reader = self.writers.pop(name)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(reader)
+
+    def granted(self):
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log, encoding="utf-8") as handle:
+            return handle.read().split()
+
+    def __exit__(self, *exc):
+        if self.holder is not None:
+            self.writers["the holder"] = self.holder
+        for name in list(self.writers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.writers[name][0], signal.SIGCONT)
+            self.kill(name)
+        os.close(self.go)
+
+
 @unittest.skipUnless(reliability.fcntl is not None and sys.platform.startswith("linux"),
                      "POSIX record locks, and prctl to reap an orphaned grandchild")
 class QueueTest(Case):
@@ -2079,6 +2185,63 @@ class QueueTest(Case):
                         receive(ws)
             self.assertEqual(counts(ws)["tickets"], 0)
             self.assertFalse(os.path.exists(ws.path("receiver") + "-queue"))  # refused before the lock file
+
+    def test_a_writer_alone_takes_the_turn_without_a_ticket(self):
+        with workspace() as ws:
+            for key in ("k1", "k2"):
+                with reliability.queued(ws.receiver):
+                    receive(ws, key)
+            self.assertEqual(tickets_drawn(ws.path("receiver")), 0)
+            self.assertEqual(counts(ws)["tickets"], 2)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_writers_in_line_get_the_turn_in_the_order_they_came(self):
+        names = ["first", "second", "third", "fourth"]
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            for name in names:
+                line.join(name)
+            self.assertEqual(line.granted(), [])
+            line.release()
+            self.assertEqual([line.finish(name) for name in names], [(0, json.dumps(name)) for name in names])
+            self.assertEqual(line.granted(), names)
+            self.assertEqual(tickets_drawn(ws.path("receiver")), 4)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_writer_who_comes_when_the_turn_is_free_goes_behind_those_in_line(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            line.join("waiting")
+            os.kill(line.writers["waiting"][0], signal.SIGSTOP)  # first in line, it cannot take the turn
+            line.release()
+            line.join("newcomer")  # the turn is free, yet it draws a ticket and waits behind
+            self.assertEqual(line.granted(), [])
+            os.kill(line.writers["waiting"][0], signal.SIGCONT)
+            self.assertEqual([line.finish(name)[0] for name in ("waiting", "newcomer")], [0, 0])
+            self.assertEqual(line.granted(), ["waiting", "newcomer"])
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_writer_who_dies_or_gives_up_in_line_holds_up_nobody(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            database = ws.path("receiver")
+            line.join("first")
+            said, told = os.pipe()
+            leave, go = os.pipe()
+            line.writers["gave up"] = run_experiment.fork_json(_give_up_and_stay, database, told, leave)
+            os.close(told)
+            os.close(leave)
+            self.addCleanup(os.close, go)
+            self.assertTrue(select.select([said], [], [], WATCHDOG)[0])
+            self.assertEqual(os.read(said, 4), b"busy")  # it drew a ticket and left the line, still alive
+            os.close(said)
+            line.join("dies")
+            line.join("last")
+            line.kill("dies")  # killed while it waits: its place goes with it
+            self.assertEqual(tickets_drawn(database), 4)
+            line.release()
+            self.assertEqual([line.finish(name)[0] for name in ("first", "last")], [0, 0])
+            self.assertEqual(line.granted(), ["first", "last"])
+            self.assertEqual(counts(ws)["tickets"], 0)  # the one that gave up wrote nothing
+            os.write(go, b"!")
+            self.assertEqual(line.finish("gave up"), (0, json.dumps("!")))
 
 
     @unittest.skipUnless(hasattr(os, "fork"), "another process tries the lock")
