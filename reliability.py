@@ -24,7 +24,6 @@ import errno
 import hashlib
 import json
 import os
-import select
 import sqlite3
 import stat
 import time
@@ -49,9 +48,10 @@ MODES = ("idempotent", "external")  # which tool an intent is for: the receiver,
 MAX_TICK = 2 ** 62           # twin: logical ticks stay far inside SQLite's signed 64-bit integers
 BUSY_TIMEOUT = 10.0          # twin: seconds BEGIN IMMEDIATE waits for another writer, then "database is locked"
 QUEUE_COUNTER, QUEUE_TURN, QUEUE_PLACES = 0, 1, 64  # queued(): locked bytes of <db>-queue; ticket t's: 64 + t
-QUEUE_SPIN = 0.002           # ...the first in line tries the turn without sleeping this long (some writes),
+QUEUE_TICKETS, QUEUE_NEXT = 0, 8  # ...stored in it: tickets drawn, the ticket to wake next
+QUEUE_SPIN = 0.0005          # ...a writer just woken, or waiting for the counter, tries again at once this long,
 QUEUE_PAUSE = 0.0005         # ...then this often
-QUEUE_CHECK = 0.005          # ...the others look this often unwoken: a writer that dies in line wakes nobody
+QUEUE_CHECK = 0.005          # ...and unwoken this often: a writer that dies first in line wakes nobody
 
 # 第一篇 §4: the named crash boundaries, in the order a request meets them, and the process
 # that owns each.  At the one its CLI names, a process calls os._exit(CRASH_EXIT).
@@ -516,18 +516,18 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
 
     The turn is a POSIX record lock (fcntl.lockf) on one byte of ``<db>-queue``.  A writer
     takes it at once when nobody is in line; otherwise it draws a ticket and holds its
-    ticket's byte, its place in line, until no earlier place is held.  First in line, it
-    wakes the next writer and tries the turn without sleeping, so a hand-over waits for
-    no process to be scheduled.  What it buys, measured by ../shared/bench/run on a
-    2-core VM with 8 processes receiving at once (three runs): the slowest receive took
-    65-103 fsync'd commits, against 8,800-11,300 with transaction() alone, and the 99th
-    percentile 38-49; the price is 0.40-0.43 of one process's rate, since every turn goes
-    to a process whose caches have gone cold.  The kernel drops a process's locks when it
-    dies, even one that forked, so a dead writer holds up nobody.  The lock belongs to
-    the process: use it from one thread per process, and never nest it (two threads, or
-    an inner queued(), both pass, and the first to leave drops the other's turn).  Raises
-    Busy after ``deadline`` seconds in line, with nothing written.  Without fcntl
-    (Windows) it does nothing.
+    ticket's byte, its place in line, until no earlier place is held and the turn is free.
+    The writer leaving the turn wakes the first in line (on Linux, a datagram to a socket
+    named after its ticket), so nobody polls while another writes.  What it buys, by
+    ../shared/bench/run on a 2-core VM with 8 processes receiving at once (three runs):
+    the slowest receive took 75-126 fsync'd commits (8,900-9,800 with transaction()
+    alone), the 99th percentile 48-61; the price is 0.40-0.43 of one process's rate, as
+    every turn goes to a process whose caches are cold (16 processes, once: 226, 103 and
+    0.36).  The kernel drops a process's locks when it dies, even one that forked, so a
+    dead writer holds up nobody.  The lock belongs to the process: use it from one thread
+    per process, and never nest it (two threads, or an inner queued(), both pass, and the
+    first to leave drops the other's turn).  Raises Busy after ``deadline`` seconds in
+    line, with nothing written.  Without fcntl (Windows) it does nothing.
     """
     if type(deadline) not in (int, float) or not 0 <= deadline < float("inf"):  # nan fails this too
         raise ValueError(f"deadline must be a finite number of seconds from 0, not {deadline!r}")
@@ -535,24 +535,24 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
         yield connection
         return
     database = connection.execute("PRAGMA database_list").fetchone()[2]
-    line, bell = os.open(database + "-queue", os.O_RDWR | os.O_CREAT, 0o644), None
+    line, ticket, bell = os.open(database + "-queue", os.O_RDWR | os.O_CREAT, 0o644), None, None
     try:
-        # The turn is taken before the line is looked at: whoever comes meanwhile is behind us.
-        if not (_take(line, QUEUE_TURN) and _nobody_in_line(line)):
-            fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_TURN)  # back to whoever is first in line, if ours
+        if not (_nobody_in_line(line) and _take(line, QUEUE_TURN)):
             wait = functools.partial(_wait, until=time.monotonic() + deadline, deadline=deadline, database=database)
             wait(lambda: _take(line, QUEUE_COUNTER), spin=QUEUE_SPIN)  # held for microseconds
-            ticket = int.from_bytes(os.pread(line, 8, 0).ljust(8, b"\0"), "big") % 2 ** 62  # a lockable byte
-            os.pwrite(line, (ticket + 1).to_bytes(8, "big"), 0)
+            ticket = _read(line, QUEUE_TICKETS) % 2 ** 62  # even a damaged counter gives a byte to lock
+            os.pwrite(line, (ticket + 1).to_bytes(8, "big"), QUEUE_TICKETS)
             fcntl.lockf(line, fcntl.LOCK_EX, 1, QUEUE_PLACES + ticket)  # our place: nobody else locks it
             fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_COUNTER)
             bell = _bell(line, ticket)  # before the first look, so that no wake-up is lost
-            wait(lambda: _nobody_in_line(line, before=ticket), bell=bell)
-            wait(lambda: _take(line, QUEUE_TURN), spin=QUEUE_SPIN)
-            fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_PLACES + ticket)  # the next writer is first in line:
-            _ring(bell, line, ticket + 1)  # woken now, it waits for the turn while we write
+            wait(lambda: _nobody_in_line(line, before=ticket) and _take(line, QUEUE_TURN), bell=bell)
+            fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_PLACES + ticket)
+            os.pwrite(line, (ticket + 1).to_bytes(8, "big"), QUEUE_NEXT)  # where the next wake-up goes
         yield connection
     finally:
+        fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_TURN)  # first the turn (if ours), then the wake-up
+        if not _nobody_in_line(line):
+            _wake_first_in_line(line, bell, ticket)
         if bell is not None:
             bell.close()
         os.close(line)  # closing the descriptor releases every lock this process holds on the file
@@ -560,8 +560,8 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
 
 def _wait(ready, *, until, deadline, database, bell=None, spin=0.0):
     # Until ready(): try again at once for ``spin`` seconds, yielding the processor; then
-    # after each wake-up on ``bell`` or QUEUE_CHECK seconds, or without a bell every
-    # QUEUE_PAUSE seconds.  Busy at ``until``.
+    # after each wake-up on ``bell`` (at once again for QUEUE_SPIN) or QUEUE_CHECK seconds,
+    # or without a bell every QUEUE_PAUSE seconds.  Busy at ``until``.
     spin_until = time.monotonic() + spin
     while not ready():
         now = time.monotonic()
@@ -570,8 +570,11 @@ def _wait(ready, *, until, deadline, database, bell=None, spin=0.0):
         if now < spin_until:
             os.sched_yield()
         elif bell is not None:
-            if select.select([bell], [], [], min(QUEUE_CHECK, until - now))[0]:
+            import socket
+            bell.settimeout(min(QUEUE_CHECK, until - now))
+            with contextlib.suppress(socket.timeout):
                 bell.recv(1)
+                spin_until = time.monotonic() + QUEUE_SPIN  # woken: the turn was let go just now
         else:
             time.sleep(min(QUEUE_PAUSE, until - now))
 
@@ -602,8 +605,12 @@ def _lock(line, kind, start, length):
         return False
 
 
+def _read(line, offset):
+    return int.from_bytes(os.pread(line, 8, offset).ljust(8, b"\0"), "big")
+
+
 def _bell(line, ticket):
-    # Where the writer with ``ticket`` is woken: a datagram socket with an abstract name,
+    # Where the writer holding ``ticket`` is woken: a datagram socket with an abstract name,
     # which goes with its process (Linux).  Elsewhere writers in line look every QUEUE_PAUSE.
     if not sys.platform.startswith("linux"):
         return None
@@ -613,10 +620,18 @@ def _bell(line, ticket):
     return bell
 
 
-def _ring(bell, line, ticket):
-    if bell is not None:
-        with contextlib.suppress(OSError):  # nobody has that ticket yet: its holder will look for itself
-            bell.sendto(b"!", _bell_name(line, ticket))
+def _wake_first_in_line(line, bell, mine):
+    # Rings the first ticket from QUEUE_NEXT on that has a bell: a writer who died or gave
+    # up has none, and one who has not bound it yet looks for itself once it has.
+    if not sys.platform.startswith("linux"):
+        return
+    import socket
+    with contextlib.ExitStack() as stack:
+        ringer = bell or stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+        for ticket in range(_read(line, QUEUE_NEXT), _read(line, QUEUE_TICKETS)):
+            if ticket != mine:
+                with contextlib.suppress(OSError):
+                    return ringer.sendto(b"!", _bell_name(line, ticket))
 
 
 def _bell_name(line, ticket):

@@ -2071,11 +2071,47 @@ def _give_up_and_stay(database, said, leave):
     return os.read(leave, 1).decode()
 
 
-def _hold_turn(database, entered, leave):
+def _only_woken(database, said):
+    """Stands in line like queued() does but never looks for itself: it only learns that its
+    turn may have come from a wake-up on its bell, and says what it heard (None: nothing)."""
+    line = os.open(database + "-queue", os.O_RDWR)
+    reliability.fcntl.lockf(line, reliability.fcntl.LOCK_EX, 1, reliability.QUEUE_COUNTER)
+    ticket = reliability._read(line, reliability.QUEUE_TICKETS)
+    os.pwrite(line, (ticket + 1).to_bytes(8, "big"), reliability.QUEUE_TICKETS)
+    reliability.fcntl.lockf(line, reliability.fcntl.LOCK_EX, 1, reliability.QUEUE_PLACES + ticket)
+    reliability.fcntl.lockf(line, reliability.fcntl.LOCK_UN, 1, reliability.QUEUE_COUNTER)
+    with reliability._bell(line, ticket) as bell:
+        os.write(said, b"in")
+        bell.settimeout(WATCHDOG)  # only ends a hang
+        try:
+            return bell.recv(1).decode()
+        except OSError:
+            return None
+
+
+def _hold_turn(database, entered, leave, deadline=0):
+    """Takes the turn (alone, with deadline 0: no wait), says so, and keeps it until told."""
     with contextlib.closing(reliability.connect(database)) as connection:
-        with reliability.queued(connection, deadline=0):  # alone: no wait
+        with reliability.queued(connection, deadline=deadline):
             os.write(entered, b"in")
             return os.read(leave, 1).decode()
+
+
+class _ToldToLeave(Exception):
+    pass
+
+
+def _leave_when_told(database):
+    """Waits in line until SIGUSR1, which makes it leave as any exception would."""
+    def told(*_):
+        raise _ToldToLeave
+    signal.signal(signal.SIGUSR1, told)
+    try:
+        with contextlib.closing(reliability.connect(database)) as connection:
+            with reliability.queued(connection, deadline=WATCHDOG):
+                return "had the turn"
+    except _ToldToLeave:
+        return "left the line"
 
 
 def tickets_drawn(database):
@@ -2121,9 +2157,12 @@ class Line:
         self.finish_child(*self.holder, "the holder")
         self.holder = None
 
-    def join(self, name):
+    def join(self, name, writer=None, *args):
+        """Fork ``writer`` (by default one that logs its name in its turn); return once it
+        holds its place."""
         ticket = tickets_drawn(self.database)
-        self.writers[name] = run_experiment.fork_json(_write_in_turn, self.database, name, self.log)
+        args = args if writer else (name, self.log)
+        self.writers[name] = run_experiment.fork_json(writer or _write_in_turn, self.database, *args)
         watchdog = time.monotonic() + WATCHDOG  # only ends a hang: its place in line is what is awaited
         while not locked_by_another(self.database, reliability.QUEUE_PLACES + ticket) or \
                 locked_by_another(self.database, reliability.QUEUE_COUNTER):
@@ -2205,6 +2244,46 @@ class QueueTest(Case):
             self.assertEqual([line.finish(name) for name in names], [(0, json.dumps(name)) for name in names])
             self.assertEqual(line.granted(), names)
             self.assertEqual(tickets_drawn(ws.path("receiver")), 4)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_the_writer_leaving_the_turn_wakes_the_first_in_line(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            line.join("first")
+            said, told = os.pipe()
+            line.writers["only woken"] = run_experiment.fork_json(_only_woken, ws.path("receiver"), told)
+            os.close(told)
+            self.assertTrue(select.select([said], [], [], WATCHDOG)[0])
+            self.assertEqual(os.read(said, 2), b"in")  # second in line, with its bell bound
+            os.close(said)
+            line.release()  # wakes "first", which wakes the next when it leaves
+            self.assertEqual(line.finish("first")[0], 0)
+            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+            self.assertEqual(line.granted(), ["first"])
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_writer_who_leaves_the_line_wakes_the_next_not_one_served_or_itself(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            entered, told = os.pipe()
+            leave, go = os.pipe()
+            self.addCleanup(os.close, go)
+            line.join("served", _hold_turn, told, leave, WATCHDOG)  # ticket 0: it will have the turn
+            os.close(told)
+            os.close(leave)
+            line.release()
+            self.assertTrue(select.select([entered], [], [], WATCHDOG)[0])
+            self.assertEqual(os.read(entered, 2), b"in")  # its bell is still bound while it writes
+            os.close(entered)
+            line.join("leaves", _leave_when_told)  # ticket 1
+            said, told = os.pipe()
+            line.join("only woken", _only_woken, told)  # ticket 2
+            os.close(told)
+            self.assertEqual(os.read(said, 2), b"in")
+            os.close(said)
+            os.kill(line.writers["leaves"][0], signal.SIGUSR1)
+            self.assertEqual(line.finish("leaves"), (0, json.dumps("left the line")))
+            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+            os.write(go, b"!")
+            self.assertEqual(line.finish("served"), (0, json.dumps("!")))
 
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
     def test_a_writer_who_comes_when_the_turn_is_free_goes_behind_those_in_line(self):
