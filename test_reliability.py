@@ -2065,9 +2065,22 @@ def _write_in_turn(database, name, log):
     return name
 
 
+def _give_up(database, times=1):
+    """Waits in line a hundredth of a second ``times`` times: "busy" each time, as the turn is held."""
+    with contextlib.closing(reliability.connect(database)) as connection:
+        said = set()
+        for _ in range(times):
+            try:
+                with reliability.queued(connection, deadline=0.01):
+                    said.add("had the turn")
+            except reliability.Busy:
+                said.add("busy")
+        return " ".join(sorted(said))
+
+
 def _give_up_and_stay(database, said, leave):
-    """Gives up at once in line (deadline 0), says so, and stays alive until told to leave."""
-    os.write(said, _queue_once(database).encode())
+    """Gives up in line, says so, and stays alive until told to leave."""
+    os.write(said, _give_up(database).encode())
     return os.read(leave, 1).decode()
 
 
@@ -2087,6 +2100,15 @@ def _only_woken(database, said):
             return bell.recv(1).decode()
         except OSError:
             return None
+
+
+def _look_and_stay(database, said, leave):
+    """Holds the shared lock a writer takes for a moment to look at the line, as one stopped
+    while it looks would, until told to leave."""
+    line = os.open(database + "-queue", os.O_RDWR)
+    reliability.fcntl.lockf(line, reliability.fcntl.LOCK_SH, 0, reliability.QUEUE_PLACES)
+    os.write(said, b"in")
+    return os.read(leave, 1).decode()
 
 
 def _hold_turn(database, entered, leave, deadline=0):
@@ -2132,9 +2154,27 @@ def locked_by_another(database, byte):
         return False
 
 
+def queue_descriptors():
+    """What this process holds open of the queue: its lock file or a socket."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed meanwhile
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            held += [target] if target.endswith("-queue") or target.startswith("socket:") else []
+    return held
+
+
+def bell_bound(database, ticket):
+    """Whether the writer holding ``ticket`` listens on its bell (Linux lists abstract names as @...)."""
+    with open(database + "-queue", "rb") as handle:
+        name = reliability._bell_name(os.fstat(handle.fileno()), ticket)
+    with open("/proc/net/unix", encoding="utf-8", errors="replace") as sockets:
+        return any(row.split()[-1] == "@" + name[1:] for row in sockets if len(row.split()) > 7)
+
+
 class Line:
-    """Writers forked one at a time, each once the one before holds its place in line, so the
-    order they came in is forced.  The turn is first held by a process of its own, since the
+    """Writers forked one at a time, each once the one before holds its place in line and
+    listens on its bell, so the order they came in is forced.  The turn is first held by a process of its own, since the
     test's own opening of ``<db>-queue`` would drop it.  On leaving, every child is reaped."""
 
     def __init__(self, database, log):
@@ -2165,7 +2205,7 @@ class Line:
         self.writers[name] = run_experiment.fork_json(writer or _write_in_turn, self.database, *args)
         watchdog = time.monotonic() + WATCHDOG  # only ends a hang: its place in line is what is awaited
         while not locked_by_another(self.database, reliability.QUEUE_PLACES + ticket) or \
-                locked_by_another(self.database, reliability.QUEUE_COUNTER):
+                locked_by_another(self.database, reliability.QUEUE_COUNTER) or not bell_bound(self.database, ticket):
             assert time.monotonic() < watchdog, f"{name} never took its place in line"
             time.sleep(0.001)
 
@@ -2247,18 +2287,69 @@ class QueueTest(Case):
 
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
     def test_the_writer_leaving_the_turn_wakes_the_first_in_line(self):
+        for came in ("at once", "through the line"):  # whoever has the turn, however it got it
+            with self.subTest(came), workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+                if came == "through the line":
+                    line.join("first")  # woken by the holder, it has the turn next
+                said, told = os.pipe()
+                line.join("only woken", _only_woken, told)  # never looks: only a wake-up lets it go
+                os.close(told)
+                self.assertEqual(os.read(said, 2), b"in")
+                os.close(said)
+                line.release()
+                if came == "through the line":
+                    self.assertEqual(line.finish("first")[0], 0)
+                self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+                self.assertEqual(line.granted(), ["first"] if came == "through the line" else [])
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_wake_up_starts_from_the_writer_served_last(self):
+        with workspace() as ws:
+            abandoned = reliability.QUEUE_SCAN + 5  # tickets of writers who left: no place, no bell
+            with open(ws.path("receiver") + "-queue", "wb") as queue:
+                queue.write(abandoned.to_bytes(8, "big"))
+            with Line(ws.path("receiver"), ws.path("granted")) as line:
+                line.join("first")  # nobody wakes it past so many: it looks for itself
+                said, told = os.pipe()
+                line.join("only woken", _only_woken, told)
+                os.close(told)
+                self.assertEqual(os.read(said, 2), b"in")
+                os.close(said)
+                line.release()
+                self.assertEqual(line.finish("first")[0], 0)  # served, it wakes from the ticket after its own
+                self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+                self.assertEqual(tickets_drawn(ws.path("receiver")), abandoned + 2)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_writer_waits_no_longer_than_its_deadline_even_to_take_its_place(self):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
-            line.join("first")
             said, told = os.pipe()
-            line.writers["only woken"] = run_experiment.fork_json(_only_woken, ws.path("receiver"), told)
+            leave, go = os.pipe()
+            self.addCleanup(os.close, go)
+            line.writers["looks"] = run_experiment.fork_json(_look_and_stay, ws.path("receiver"), told, leave)
             os.close(told)
-            self.assertTrue(select.select([said], [], [], WATCHDOG)[0])
-            self.assertEqual(os.read(said, 2), b"in")  # second in line, with its bell bound
+            os.close(leave)
+            self.assertEqual(os.read(said, 2), b"in")
             os.close(said)
-            line.release()  # wakes "first", which wakes the next when it leaves
-            self.assertEqual(line.finish("first")[0], 0)
-            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
-            self.assertEqual(line.granted(), ["first"])
+            line.writers["gives up"] = run_experiment.fork_json(_give_up, ws.path("receiver"))
+            self.assertEqual(line.finish("gives up"), (0, json.dumps("busy")))  # while the other looks
+            os.write(go, b"!")
+            self.assertEqual(line.finish("looks"), (0, json.dumps("!")))
+
+    @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
+    def test_a_wake_up_never_waits_to_be_heard(self):
+        with open("/proc/sys/net/unix/max_dgram_qlen", encoding="ascii") as limit:
+            times = 2 * int(limit.read()) + 2  # a stopped writer's bell holds this many wake-ups, and no more
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            line.join("stopped")
+            os.kill(line.writers["stopped"][0], signal.SIGSTOP)  # first in line, it reads no wake-up
+            pid, reader = run_experiment.fork_json(_give_up, ws.path("receiver"), times)  # each rings it
+            line.writers["gives up"] = pid, reader
+            self.assertEqual(line.finish("gives up"), (0, json.dumps("busy")))
+            os.kill(line.writers["stopped"][0], signal.SIGCONT)
+            line.release()
+            self.assertEqual(line.finish("stopped")[0], 0)
+            self.assertEqual(line.granted(), ["stopped"])
 
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
     def test_a_writer_who_leaves_the_line_wakes_the_next_not_one_served_or_itself(self):
@@ -2311,10 +2402,15 @@ class QueueTest(Case):
             self.assertTrue(select.select([said], [], [], WATCHDOG)[0])
             self.assertEqual(os.read(said, 4), b"busy")  # it drew a ticket and left the line, still alive
             os.close(said)
+            self.assertEqual(run_experiment.run_forked(_queue_once, database), "busy")  # one try: no ticket
+            with self.assertRaises(reliability.Busy):  # here: in line, then out, with nothing left open
+                with reliability.queued(ws.receiver, deadline=0.01):
+                    pass
+            self.assertEqual(queue_descriptors(), [])
             line.join("dies")
             line.join("last")
             line.kill("dies")  # killed while it waits: its place goes with it
-            self.assertEqual(tickets_drawn(database), 4)
+            self.assertEqual(tickets_drawn(database), 5)
             line.release()
             self.assertEqual([line.finish(name)[0] for name in ("first", "last")], [0, 0])
             self.assertEqual(line.granted(), ["first", "last"])
