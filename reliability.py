@@ -537,6 +537,8 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
         yield connection
         return
     database = connection.execute("PRAGMA database_list").fetchone()[2]
+    if not database:  # in memory or temporary: no file to put the line beside
+        raise ValueError("queued() needs a connection to a database file")
     line, ticket, bell = os.open(database + "-queue", os.O_RDWR | os.O_CREAT, 0o644), None, None
     try:
         if not (_nobody_in_line(line) and _take(line, QUEUE_TURN)):

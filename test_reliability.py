@@ -2265,6 +2265,13 @@ class QueueTest(Case):
             self.assertEqual(counts(ws)["tickets"], 0)
             self.assertFalse(os.path.exists(ws.path("receiver") + "-queue"))  # refused before the lock file
 
+    def test_a_connection_to_no_file_is_refused_before_any_lock_file(self):
+        with contextlib.closing(sqlite3.connect(":memory:")) as memory:
+            before = os.listdir(os.getcwd())
+            with self.assertRaises(ValueError), reliability.queued(memory):
+                pass
+            self.assertEqual(os.listdir(os.getcwd()), before)
+
     def test_a_writer_alone_takes_the_turn_without_a_ticket(self):
         with workspace() as ws:
             for key in ("k1", "k2"):
