@@ -2079,12 +2079,14 @@ def _give_up(database, times=1):
 
 
 def _give_up_and_stay(database, said, leave):
-    """Gives up in line, says so, and stays alive until told to leave."""
-    os.write(said, _give_up(database).encode())
-    return os.read(leave, 1).decode()
+    """Gives up in line, says it is out, and stays alive until told to leave."""
+    outcome = _give_up(database)
+    os.write(said, b"in")
+    os.read(leave, 1)
+    return outcome
 
 
-def _only_woken(database, said):
+def _only_woken(database, said, leave):
     """Stands in line like queued() does but never looks for itself: it only learns that its
     turn may have come from a wake-up on its bell, and says what it heard (None: nothing)."""
     line = os.open(database + "-queue", os.O_RDWR)
@@ -2111,11 +2113,11 @@ def _look_and_stay(database, said, leave):
     return os.read(leave, 1).decode()
 
 
-def _hold_turn(database, entered, leave, deadline=0):
+def _hold_turn(database, said, leave, deadline=0):
     """Takes the turn (alone, with deadline 0: no wait), says so, and keeps it until told."""
     with contextlib.closing(reliability.connect(database)) as connection:
         with reliability.queued(connection, deadline=deadline):
-            os.write(entered, b"in")
+            os.write(said, b"in")
             return os.read(leave, 1).decode()
 
 
@@ -2174,46 +2176,59 @@ def bell_bound(database, ticket):
 
 class Line:
     """Writers forked one at a time, each once the one before holds its place in line and
-    listens on its bell, so the order they came in is forced.  The turn is first held by a process of its own, since the
-    test's own opening of ``<db>-queue`` would drop it.  On leaving, every child is reaped."""
+    listens on its bell, so the order they came in is forced.  The turn is held first by a
+    process of its own, since the test's own opening of ``<db>-queue`` would drop it.  A
+    child that talks, ``writer(database, said, leave, *args)``, writes b"in" to ``said``
+    once it is where it should be and ends when told on ``leave``.  On leaving, every
+    child is reaped."""
 
     def __init__(self, database, log):
-        self.database, self.log, self.writers, self.holder = database, log, {}, None
+        self.database, self.log, self.writers, self.pipes = database, log, {}, {}
 
     def __enter__(self):
-        entered, self.entered = os.pipe()
-        self.leave, go = os.pipe()
-        self.holder = run_experiment.fork_json(_hold_turn, self.database, self.entered, self.leave)
-        os.close(self.entered)
-        os.close(self.leave)
-        self.go = go
-        assert select.select([entered], [], [], WATCHDOG)[0] and os.read(entered, 2) == b"in", "no turn"
-        os.close(entered)
+        self.talk("the holder", _hold_turn)
+        self.heard("the holder")
         return self
 
     def release(self):
         """The first holder leaves its turn."""
-        os.write(self.go, b"!")
-        self.finish_child(*self.holder, "the holder")
-        self.holder = None
+        self.tell("the holder")
+        self.finish("the holder")
 
     def join(self, name, writer=None, *args):
-        """Fork ``writer`` (by default one that logs its name in its turn); return once it
-        holds its place."""
+        """Fork ``writer(database, *args)`` (by default one that logs its name in its turn);
+        return once it holds its place and listens."""
         ticket = tickets_drawn(self.database)
-        args = args if writer else (name, self.log)
-        self.writers[name] = run_experiment.fork_json(writer or _write_in_turn, self.database, *args)
+        self.fork(name, writer or _write_in_turn, *(args if writer else (name, self.log)))
         watchdog = time.monotonic() + WATCHDOG  # only ends a hang: its place in line is what is awaited
         while not locked_by_another(self.database, reliability.QUEUE_PLACES + ticket) or \
                 locked_by_another(self.database, reliability.QUEUE_COUNTER) or not bell_bound(self.database, ticket):
             assert time.monotonic() < watchdog, f"{name} never took its place in line"
             time.sleep(0.001)
 
-    def finish(self, name):
-        return self.finish_child(*self.writers.pop(name), name)
+    def talk(self, name, writer, *args, joins=False):
+        """Fork a child that talks; with ``joins``, return once it holds its place."""
+        said, told = os.pipe()
+        leave, go = os.pipe()
+        self.pipes[name] = said, go
+        try:
+            (self.join if joins else self.fork)(name, writer, told, leave, *args)
+        finally:
+            os.close(told)
+            os.close(leave)
 
-    @staticmethod
-    def finish_child(pid, reader, name):
+    def heard(self, name):
+        said = self.pipes[name][0]
+        assert select.select([said], [], [], WATCHDOG)[0] and os.read(said, 2) == b"in", f"{name} said nothing"
+
+    def tell(self, name):
+        os.write(self.pipes[name][1], b"!")
+
+    def fork(self, name, writer, *args):
+        self.writers[name] = run_experiment.fork_json(writer, self.database, *args)
+
+    def finish(self, name):
+        pid, reader = self.writers.pop(name)
         with os.fdopen(reader, encoding="utf-8") as pipe:
             assert select.select([pipe], [], [], WATCHDOG)[0], f"{name} never ended"
             said = pipe.read()
@@ -2232,13 +2247,12 @@ class Line:
             return handle.read().split()
 
     def __exit__(self, *exc):
-        if self.holder is not None:
-            self.writers["the holder"] = self.holder
         for name in list(self.writers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.writers[name][0], signal.SIGCONT)
             self.kill(name)
-        os.close(self.go)
+        for fd in (fd for pipes in self.pipes.values() for fd in pipes):
+            os.close(fd)
 
 
 @unittest.skipUnless(reliability.fcntl is not None and sys.platform.startswith("linux"),
@@ -2298,11 +2312,7 @@ class QueueTest(Case):
             with self.subTest(came), workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
                 if came == "through the line":
                     line.join("first")  # woken by the holder, it has the turn next
-                said, told = os.pipe()
-                line.join("only woken", _only_woken, told)  # never looks: only a wake-up lets it go
-                os.close(told)
-                self.assertEqual(os.read(said, 2), b"in")
-                os.close(said)
+                line.talk("only woken", _only_woken, joins=True)  # never looks: only a wake-up lets it go
                 line.release()
                 if came == "through the line":
                     self.assertEqual(line.finish("first")[0], 0)
@@ -2317,11 +2327,7 @@ class QueueTest(Case):
                 queue.write(abandoned.to_bytes(8, "big"))
             with Line(ws.path("receiver"), ws.path("granted")) as line:
                 line.join("first")  # nobody wakes it past so many: it looks for itself
-                said, told = os.pipe()
-                line.join("only woken", _only_woken, told)
-                os.close(told)
-                self.assertEqual(os.read(said, 2), b"in")
-                os.close(said)
+                line.talk("only woken", _only_woken, joins=True)
                 line.release()
                 self.assertEqual(line.finish("first")[0], 0)  # served, it wakes from the ticket after its own
                 self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
@@ -2330,17 +2336,11 @@ class QueueTest(Case):
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
     def test_a_writer_waits_no_longer_than_its_deadline_even_to_take_its_place(self):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
-            said, told = os.pipe()
-            leave, go = os.pipe()
-            self.addCleanup(os.close, go)
-            line.writers["looks"] = run_experiment.fork_json(_look_and_stay, ws.path("receiver"), told, leave)
-            os.close(told)
-            os.close(leave)
-            self.assertEqual(os.read(said, 2), b"in")
-            os.close(said)
-            line.writers["gives up"] = run_experiment.fork_json(_give_up, ws.path("receiver"))
+            line.talk("looks", _look_and_stay)
+            line.heard("looks")
+            line.fork("gives up", _give_up)
             self.assertEqual(line.finish("gives up"), (0, json.dumps("busy")))  # while the other looks
-            os.write(go, b"!")
+            line.tell("looks")
             self.assertEqual(line.finish("looks"), (0, json.dumps("!")))
 
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
@@ -2350,8 +2350,7 @@ class QueueTest(Case):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
             line.join("stopped")
             os.kill(line.writers["stopped"][0], signal.SIGSTOP)  # first in line, it reads no wake-up
-            pid, reader = run_experiment.fork_json(_give_up, ws.path("receiver"), times)  # each rings it
-            line.writers["gives up"] = pid, reader
+            line.fork("gives up", _give_up, times)  # each time it rings the stopped one
             self.assertEqual(line.finish("gives up"), (0, json.dumps("busy")))
             os.kill(line.writers["stopped"][0], signal.SIGCONT)
             line.release()
@@ -2361,26 +2360,15 @@ class QueueTest(Case):
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
     def test_a_writer_who_leaves_the_line_wakes_the_next_not_one_served_or_itself(self):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
-            entered, told = os.pipe()
-            leave, go = os.pipe()
-            self.addCleanup(os.close, go)
-            line.join("served", _hold_turn, told, leave, WATCHDOG)  # ticket 0: it will have the turn
-            os.close(told)
-            os.close(leave)
+            line.talk("served", _hold_turn, WATCHDOG, joins=True)  # ticket 0: it will have the turn
             line.release()
-            self.assertTrue(select.select([entered], [], [], WATCHDOG)[0])
-            self.assertEqual(os.read(entered, 2), b"in")  # its bell is still bound while it writes
-            os.close(entered)
+            line.heard("served")
             line.join("leaves", _leave_when_told)  # ticket 1
-            said, told = os.pipe()
-            line.join("only woken", _only_woken, told)  # ticket 2
-            os.close(told)
-            self.assertEqual(os.read(said, 2), b"in")
-            os.close(said)
+            line.talk("only woken", _only_woken, joins=True)  # ticket 2
             os.kill(line.writers["leaves"][0], signal.SIGUSR1)
             self.assertEqual(line.finish("leaves"), (0, json.dumps("left the line")))
             self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
-            os.write(go, b"!")
+            line.tell("served")
             self.assertEqual(line.finish("served"), (0, json.dumps("!")))
 
     @unittest.skipUnless(hasattr(os, "fork"), "writers in line are other processes")
@@ -2400,15 +2388,8 @@ class QueueTest(Case):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
             database = ws.path("receiver")
             line.join("first")
-            said, told = os.pipe()
-            leave, go = os.pipe()
-            line.writers["gave up"] = run_experiment.fork_json(_give_up_and_stay, database, told, leave)
-            os.close(told)
-            os.close(leave)
-            self.addCleanup(os.close, go)
-            self.assertTrue(select.select([said], [], [], WATCHDOG)[0])
-            self.assertEqual(os.read(said, 4), b"busy")  # it drew a ticket and left the line, still alive
-            os.close(said)
+            line.talk("gave up", _give_up_and_stay)
+            line.heard("gave up")  # it drew a ticket and left the line, and stays alive
             self.assertEqual(run_experiment.run_forked(_queue_once, database), "busy")  # one try: no ticket
             with self.assertRaises(reliability.Busy):  # here: in line, then out, with nothing left open
                 with reliability.queued(ws.receiver, deadline=0.01):
@@ -2422,8 +2403,8 @@ class QueueTest(Case):
             self.assertEqual([line.finish(name)[0] for name in ("first", "last")], [0, 0])
             self.assertEqual(line.granted(), ["first", "last"])
             self.assertEqual(counts(ws)["tickets"], 0)  # the one that gave up wrote nothing
-            os.write(go, b"!")
-            self.assertEqual(line.finish("gave up"), (0, json.dumps("!")))
+            line.tell("gave up")
+            self.assertEqual(line.finish("gave up"), (0, json.dumps("busy")))
 
 
     @unittest.skipUnless(hasattr(os, "fork"), "another process tries the lock")
