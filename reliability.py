@@ -19,8 +19,8 @@ if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpre
     sys.exit(2)
 
 import contextlib
-import functools
 import errno
+import functools
 import hashlib
 import json
 import os
