@@ -315,26 +315,28 @@ def _open(path, application_ids):
     its -shm that does not pass SQLite's quick_check: each raises naming the path, and
     the file and its -wal are left byte for byte (SQLite may have made a -shm).
     """
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
     real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
-    found = os.stat(real)
+    try:
+        found = os.stat(real)
+    except OSError:
+        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path) from None
+    if stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not stat.S_ISREG(found.st_mode):
         raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
-    for what, where, need in (("file", real, os.R_OK | os.W_OK), ("-wal", real + "-wal", os.R_OK | os.W_OK),
-                              ("-shm", real + "-shm", os.R_OK | os.W_OK),
-                              ("directory", os.path.dirname(real), os.W_OK | os.X_OK)):
-        if os.path.exists(where) and not os.access(where, need):
+    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
+    for what, where, need, there in (("file", real, os.R_OK | os.W_OK, True),
+                                     ("-wal", real + "-wal", os.R_OK | os.W_OK, wal),
+                                     ("-shm", real + "-shm", os.R_OK | os.W_OK, shm),
+                                     ("directory", os.path.dirname(real), os.W_OK | os.X_OK, True)):
+        if there and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
     try:
         # Checked read-only first, so a refused file is left as it was: a read-only connection never
         # checkpoints (not even another database's -wal beside it), and with no -wal to read it
@@ -540,12 +542,7 @@ def main(argv=None):
             elif args.subcommand == "purge":
                 _emit(dict(purge(connection, args.now, args.window), status="purged"))
             else:
-                try:
-                    command = json.loads(args.command, object_pairs_hook=_no_repeats)
-                except RecursionError:
-                    raise ValueError("COMMAND_JSON nests too deeply") from None
-                except ValueError as error:
-                    raise ValueError(f"COMMAND_JSON is not JSON ({error}): {args.command[:60]!r}") from None
+                command = _json_argument(args.command, "COMMAND_JSON")
                 if args.subcommand.startswith("unsafe"):
                     _emit(unsafe_check_then_act(connection, args.op, command, pause=_wait_for_go))
                 else:
@@ -575,9 +572,18 @@ def _wait_for_go():
         raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
+def _json_argument(text, what):
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
 def _no_repeats(pairs):
     if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("COMMAND_JSON repeats a key")
+        raise ValueError("it repeats a key")
     return dict(pairs)
 
 

@@ -661,11 +661,11 @@ def _ring_first(bells):
         for name in bells:
             try:
                 ringer.sendto(b"!", socket.MSG_DONTWAIT, name)
-                return
-            except BlockingIOError:
-                return
-            except OSError:
+            except BlockingIOError:  # full
+                pass
+            except OSError:  # nobody listens there
                 continue
+            return
 
 
 # --- helpers: files, canonical form, input checks -------------------------------------------
@@ -827,26 +827,28 @@ def _open(path, application_ids):
     its -shm that does not pass SQLite's quick_check: each raises naming the path, and
     the file and its -wal are left byte for byte (SQLite may have made a -shm).
     """
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path)
     real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
-    found = os.stat(real)
+    try:
+        found = os.stat(real)
+    except OSError:
+        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path) from None
+    if stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
     if not stat.S_ISREG(found.st_mode):
         raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
-    for what, where, need in (("file", real, os.R_OK | os.W_OK), ("-wal", real + "-wal", os.R_OK | os.W_OK),
-                              ("-shm", real + "-shm", os.R_OK | os.W_OK),
-                              ("directory", os.path.dirname(real), os.W_OK | os.X_OK)):
-        if os.path.exists(where) and not os.access(where, need):
+    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
+    for what, where, need, there in (("file", real, os.R_OK | os.W_OK, True),
+                                     ("-wal", real + "-wal", os.R_OK | os.W_OK, wal),
+                                     ("-shm", real + "-shm", os.R_OK | os.W_OK, shm),
+                                     ("directory", os.path.dirname(real), os.W_OK | os.X_OK, True)):
+        if there and not os.access(where, need):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
     try:
         # Checked read-only first, so a refused file is left as it was: a read-only connection never
         # checkpoints (not even another database's -wal beside it), and with no -wal to read it
@@ -924,8 +926,6 @@ def wal_reset_bug(version=None):
     if not (3, 7, 0) <= version < (3, 51, 3):
         return False
     return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
-
-
 
 
 def _text(value):
@@ -1211,7 +1211,7 @@ def _json_argument(text, what):
 
 def _no_repeats(pairs):
     if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("a key is repeated")
+        raise ValueError("it repeats a key")
     return dict(pairs)
 
 

@@ -74,10 +74,16 @@ HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was l
 COVERS = {}  # (boundary, mode) -> the article scenario that already is that crash-matrix cell
 
 
+def module_of(group, name=""):
+    """The module a scenario of ``group`` runs, None where this download lacks it: preconditions
+    for article 7 and its crash-matrix cells (named preconditions/...), else reliability."""
+    return preconditions if group == "article_7" or name.startswith("preconditions/") else reliability
+
+
 def scenario(article, description, cell=None):
     """Register a scenario if its module is present; ``cell=(boundary, mode)`` says it doubles as that matrix cell."""
     def register(function):
-        if (preconditions if article == "article_7" else reliability) is not None:
+        if module_of(article) is not None:
             SCENARIOS[function.__name__] = (article, description, function)
             if cell:
                 COVERS[cell] = function.__name__
@@ -1675,13 +1681,23 @@ def newer_python():
     Returns the interpreter itself (a pyenv shim resolved), or None when none is found."""
     pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
     for minor in range(20, 11, -1) if sys.version_info < (3, 12) else ():
-        installed = sorted(glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin", f"python3.{minor}")))
-        for found in [shutil.which(f"python3.{minor}"), *reversed(installed)]:
+        installed = glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin", f"python3.{minor}"))
+        tried = set()
+        for found in [shutil.which(f"python3.{minor}"), *sorted(installed, key=version_key, reverse=True)]:
+            if not found or os.path.realpath(found) in tried:  # one interpreter under two names: probed once
+                continue
+            tried.add(os.path.realpath(found))
             probe = "import sqlite3, sys; sqlite3.Connection.autocommit; print(sys.executable)"
-            done = found and subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True, timeout=WATCHDOG)
-            if done and done.returncode == 0 and os.path.isabs(done.stdout.decode("utf-8").strip()):
-                return done.stdout.decode("utf-8").strip()
+            done = subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True, timeout=WATCHDOG)
+            executable = done.stdout.decode("utf-8").strip()
+            if done.returncode == 0 and os.path.isabs(executable):
+                return executable
     return None
+
+
+def version_key(path):
+    """The numbers in ``path``, to sort versions by: 3.12.10 after 3.12.9."""
+    return [int(n) for n in re.findall(r"\d+", path)]
 
 
 def readme_blocks(language, path=os.path.join(HERE, "README.md")):
@@ -1772,15 +1788,14 @@ _pg_clients = set()  # psql processes not reaped yet: killed and reaped on SIGTE
 
 
 def pg_bindir():
-    """The folder holding initdb, pg_ctl, postgres and psql, or None."""
+    """The folder holding initdb, postgres and psql, or None."""
     folders = []
     initdb = shutil.which("initdb")
     if initdb:
         folders.append(os.path.dirname(os.path.realpath(initdb)))
-    numbers = lambda path: [int(n) for n in re.findall(r"\d+", path)]
-    folders += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=numbers, reverse=True)
+    folders += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version_key, reverse=True)
     for folder in folders:
-        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "pg_ctl", "postgres", "psql")):
+        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "postgres", "psql")):
             return folder
     return None
 
@@ -1816,23 +1831,14 @@ class PgCluster:
         self.log = os.path.join(folder, "server.log")
         self.process = None
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        pg_stop(self)
-
-
-def pg_start(bindir=None):
+def pg_start(bindir):
     """initdb and start a server in a new temporary folder; returns its PgCluster.
 
     The folder, the data and the server belong to uid 65534 when we are root.
     Anything that fails on the way stops and removes what was started.
     """
     started = time.monotonic()
-    bindir = bindir or pg_bindir()
-    if bindir is None:
-        raise FileNotFoundError("initdb, pg_ctl, postgres and psql not found")
     _pg_remove_stale()
     cluster = PgCluster(bindir, tempfile.mkdtemp(prefix=PG_FOLDER_PREFIX, dir=_pg_base()))
     try:
@@ -1842,7 +1848,7 @@ def pg_start(bindir=None):
         if os.geteuid() == 0:
             uid, gid = PG_NOBODY
             os.chown(cluster.folder, uid, gid)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", "TZ": "UTC"}
+        env = dict(_pg_env(), TZ="UTC")
         with open(cluster.log, "ab") as log:
             subprocess.run([os.path.join(bindir, "initdb"), "-D", cluster.data, "-U", PG_SUPERUSER, "-A", "trust",
                             "-E", "UTF8", "--locale=C", "--no-sync"], stdin=subprocess.DEVNULL, stdout=log,
@@ -1911,9 +1917,7 @@ def _pg_stop_on_signals():
 
 
 def _pg_stop_and_die(signum, frame):
-    for client in list(_pg_clients):
-        client.kill()
-        client.wait()
+    reap(list(_pg_clients))
     for cluster in list(_pg_running):
         pg_stop(cluster)
     # A client started while the signal came may not be registered yet: with the server
@@ -1934,25 +1938,22 @@ def pg_stop(cluster):
     if cluster in _pg_running:
         _pg_running.remove(cluster)
     process, cluster.process = cluster.process, None
-    if process is not None:
-        try:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)  # fast shutdown: sessions are ended, not waited for
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        finally:
-            shutil.rmtree(cluster.folder, ignore_errors=True)
-    elif os.path.isdir(cluster.folder):
+    try:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGINT)  # fast shutdown: sessions are ended, not waited for
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    finally:
         shutil.rmtree(cluster.folder, ignore_errors=True)
 
 
-def pg_cluster():
+def pg_cluster(bindir):
     """One cluster for the whole test process, started on first use, stopped at exit."""
     if not _pg_shared:
-        _pg_shared.append(pg_start())
+        _pg_shared.append(pg_start(bindir))
     return _pg_shared[0]
 
 
@@ -1964,8 +1965,7 @@ def _pg_remove_stale():
                 owner = int(f.read())
             os.kill(owner, 0)
         except ProcessLookupError:  # the owner is gone: nobody uses the folder (its server died with it)
-            postmaster = os.path.join(folder, "data", "postmaster.pid")
-            if not os.path.exists(postmaster) or not _pg_alive_pidfile(postmaster):
+            if not _pg_alive_pidfile(os.path.join(folder, "data", "postmaster.pid")):
                 shutil.rmtree(folder, ignore_errors=True)
         except (OSError, ValueError):  # unreadable, half-written or alive: leave it
             pass
@@ -1976,7 +1976,7 @@ def _pg_alive_pidfile(path):
         with open(path) as f:
             os.kill(int(f.readline()), 0)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, FileNotFoundError):  # its server is gone, or never started
         return False
     except (OSError, ValueError):
         return True
@@ -2003,13 +2003,13 @@ def _pg_env():
             "PGCONNECT_TIMEOUT": "30"}
 
 
-def pg_psql(cluster, database, sql, timeout=PG_WATCHDOG):
+def pg_psql(cluster, database, sql):
     """Run sql (a script, as printed) in one psql; its output lines, or RuntimeError with its stderr."""
     process = subprocess.Popen(_pg_psql_command(cluster, database), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, env=_pg_env())
     _pg_clients.add(process)
     try:
-        out, err = process.communicate(sql.encode("utf-8"), timeout=timeout)
+        out, err = process.communicate(sql.encode("utf-8"), timeout=PG_WATCHDOG)
     finally:
         reap([process])  # timed out or interrupted
         _pg_clients.discard(process)
@@ -2036,7 +2036,7 @@ class PgSession:
         self.buffer = b""
         self.sent = 0
 
-    def query(self, sql, timeout=PG_WATCHDOG):
+    def query(self, sql):
         """Rows (lists of fields, as text) that sql printed; NULL prints as ''."""
         self.sent += 1
         marker = f"__reply_{self.sent}__"
@@ -2048,7 +2048,7 @@ class PgSession:
             self.process.stdin.flush()
         except BrokenPipeError:
             self._failed("psql session had ended")
-        lines, deadline = [], time.monotonic() + timeout
+        lines, deadline = [], time.monotonic() + PG_WATCHDOG
         while True:
             line = self._readline(deadline)
             if line == marker:
@@ -2097,15 +2097,14 @@ class PgSession:
         self.errors.close()
 
 
-def pg_race(session, scripts, *, before=None, after=None, timeout=PG_WATCHDOG):
+def pg_race(session, scripts, *, after=None):
     """Run one psql client per script, released together at the start of every phase.
 
     scripts[i][p] is client i's SQL for phase p.  The controlling ``session`` holds an
     advisory lock per phase; every client waits for it (pg_advisory_lock_shared), and
     only when pg_locks shows exactly len(scripts) sessions waiting on it is it
-    released: every client has finished the phase before.  ``before(p)`` runs just
-    before phase p is released, ``after(p)`` once every client has finished it (both
-    in ``session``, which may verify and prepare).  Returns outputs[i][p], the lines
+    released: every client has finished the phase before.  ``after(p)`` runs once every
+    client has finished phase p (in ``session``, which may verify and prepare).  Returns outputs[i][p], the lines
     client i printed in phase p.  A client that fails or exits early fails the race at
     once; the watchdog kills clients that hang; every client is reaped either way.
     """
@@ -2113,7 +2112,7 @@ def pg_race(session, scripts, *, before=None, after=None, timeout=PG_WATCHDOG):
     assert all(len(script) == phases for script in scripts), "every client takes part in every phase"
     _pg_races[0] += 1
     key = PG_BARRIER_CLASS + _pg_races[0]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + PG_WATCHDOG
     folder = tempfile.mkdtemp(prefix="race-", dir=session.cluster.folder)  # removed with the cluster
     clients = []
     session.query(f"SELECT pg_advisory_lock({key}, p) FROM generate_series(0, {phases - 1}) p")
@@ -2134,14 +2133,12 @@ def pg_race(session, scripts, *, before=None, after=None, timeout=PG_WATCHDOG):
             _pg_gather(session, key, p, clients, folder, deadline)
             if p and after:
                 after(p - 1)
-            if before:
-                before(p)
             session.query(f"SELECT pg_advisory_unlock({key}, {p})")
         for i, client in enumerate(clients):
             try:
                 client.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"watchdog: client {i} still running after {timeout:g} s") from None
+                raise AssertionError(f"watchdog: client {i} still running after {PG_WATCHDOG:g} s") from None
             if client.returncode != 0:
                 raise AssertionError(f"client {i} exited with {client.returncode}: {_pg_read(folder, i, 'err')}")
         if after:
@@ -2193,7 +2190,7 @@ def _pg_phases(text, phases):
 
 
 PG_SKIP = ("PostgreSQL not found: install postgresql (Debian: apt-get install postgresql) to run these tests"
-           " (initdb, pg_ctl, postgres, psql on PATH or in /usr/lib/postgresql/*/bin)")
+           " (initdb, postgres, psql on PATH or in /usr/lib/postgresql/*/bin)")
 _pg_skip_said = []
 _pg_databases = [0]
 
@@ -2210,9 +2207,8 @@ END $$"""
 
 def pg_blocks(article):
     """The ```sql blocks of README.md whose first line names ``article`` (1 or 7), as printed."""
-    return [block for block in readme_blocks("sql")
-            if re.match(r"-- \S+ articles? (\d+ and )?\d+: ", block)
-            and str(article) in re.match(r"-- \S+ articles? ([\d and]+):", block).group(1).split(" and ")]
+    named = (re.match(r"-- \S+ articles? (\d+(?: and \d+)?): ", block) for block in readme_blocks("sql"))
+    return [found.string for found in named if found and str(article) in found.group(1).split(" and ")]
 
 
 def pg_literal(value):
@@ -2245,29 +2241,34 @@ def pg_statuses(values):
     return sorted(value["status"] for value in values)
 
 
-def pg_prepare(cls, article):
-    """Start (or reuse) the cluster and load the article's blocks, as printed, into a template."""
-    if pg_bindir() is None:
-        if not _pg_skip_said:
-            _pg_skip_said.append(True)
-            sys.stderr.write(PG_SKIP + "\n")
-        import unittest
-        raise unittest.SkipTest(PG_SKIP)
-    cls.cluster = pg_cluster()
-    cls.template = f"article{article}"
-    pg_psql(cls.cluster, "postgres", f"CREATE DATABASE {cls.template}")
-    for block in pg_blocks(article):
-        pg_psql(cls.cluster, cls.template, block)
+def pg_case(article):
+    """The base of an article's PostgreSQL tests: once per class, the cluster started (or
+    reused) and the article's blocks, as printed, loaded into a template; for each test a
+    fresh copy of it and ``self.session`` on it, closed after the test."""
+    import unittest
 
+    class PgCase(unittest.TestCase):
+        @classmethod
+        def setUpClass(cls):
+            bindir = pg_bindir()
+            if bindir is None:
+                if not _pg_skip_said:
+                    _pg_skip_said.append(True)
+                    sys.stderr.write(PG_SKIP + "\n")
+                raise unittest.SkipTest(PG_SKIP)
+            cls.cluster = pg_cluster(bindir)
+            cls.template = f"article{article}"
+            pg_psql(cls.cluster, "postgres", f"CREATE DATABASE {cls.template}")
+            pg_psql(cls.cluster, cls.template, "\n".join(pg_blocks(article)))  # one psql: it stops at an error
 
-def pg_open(case):
-    """A fresh copy of the class's template and a session on it, closed after the test."""
-    _pg_databases[0] += 1
-    name = f"{case.template}_{_pg_databases[0]}"
-    pg_psql(case.cluster, "postgres", f"CREATE DATABASE {name} TEMPLATE {case.template}")
-    case.session = PgSession(case.cluster, name)
-    case.addCleanup(case.session.close)
-    case.session.query(PG_SQLSTATE_OF)
+        def setUp(self):
+            _pg_databases[0] += 1
+            name = f"{self.template}_{_pg_databases[0]}"
+            pg_psql(self.cluster, "postgres", f"CREATE DATABASE {name} TEMPLATE {self.template}")
+            self.session = PgSession(self.cluster, name)
+            self.addCleanup(self.session.close)
+            self.session.query(PG_SQLSTATE_OF)
+    return PgCase
 
 
 # Test-side too: the README's retry rule for 23505 at READ COMMITTED, as a subtransaction
@@ -2322,8 +2323,7 @@ def compared(expected, only=None):
     def here(group, name):
         if only is not None:
             return name in only
-        article_7 = group == "article_7" or name.startswith("preconditions/")
-        return (preconditions if article_7 else reliability) is not None
+        return module_of(group, name) is not None
     kept = {group: {name: stages for name, stages in scenarios.items() if here(group, name)}
             for group, scenarios in expected.items() if isinstance(scenarios, dict)}
     return {group: scenarios for group, scenarios in kept.items() if scenarios}

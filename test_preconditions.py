@@ -65,7 +65,7 @@ KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int"
        "MAX_TICK", "_dumps"]
 KIT_IMPORTS = "import hashlib\nimport json\nimport os\nimport sqlite3\nfrom contextlib import contextmanager\n"
 TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_create", "wal_reset_bug",
-         "_text"]
+         "_text", "_json_argument", "_no_repeats"]
 
 
 def plan(a=1, b=1, amount=3, src="A", dst="B"):
@@ -939,25 +939,15 @@ def pg_plan(src, dst, amount, expected_src, expected_dst):
     return {"src": src, "dst": dst, "amount": amount, "expected": {src: expected_src, dst: expected_dst}}
 
 
-class PostgresArticle7Test(unittest.TestCase):
+class PostgresArticle7Test(run_experiment.pg_case(7)):
     """第七篇 in PostgreSQL: execute, change and purge under 16 racing clients."""
-
-    @classmethod
-    def setUpClass(cls):
-        run_experiment.pg_prepare(cls, 7)
-
-    def setUp(self):
-        run_experiment.pg_open(self)
-
-    def rows(self, sql):
-        return self.session.query(sql)
 
     def resources(self, **quantities):
         self.session.query("INSERT INTO resources VALUES " +
                            ", ".join(f"({run_experiment.pg_literal(name)}, {q}, 1)" for name, q in sorted(quantities.items())))
 
     def resource(self, name):
-        return tuple(map(int, self.rows(f"SELECT quantity, revision FROM resources WHERE name = {run_experiment.pg_literal(name)}")[0]))
+        return tuple(map(int, self.session.query(f"SELECT quantity, revision FROM resources WHERE name = {run_experiment.pg_literal(name)}")[0]))
 
     def test_16_distinct_ops_on_one_snapshot_give_1_applied_and_15_stale_in_both_directions(self):
         self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)})
@@ -980,8 +970,8 @@ class PostgresArticle7Test(unittest.TestCase):
             winner = next(i for i, x in enumerate(second) if x["status"] == "applied")
             self.assertEqual(self.resource(a), (6, 3) if winner < 8 else (8, 3))
             self.assertEqual(self.resource(b), (4, 3) if winner < 8 else (2, 3))
-            self.assertEqual(self.rows(f"SELECT count(*) FROM effects WHERE src IN ('{a}', '{b}')"), [["2"]])
-        self.assertEqual(self.rows("SELECT count(*) FROM receipt"), [[str(2 * PG_CLIENTS * PG_ROUNDS)]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM effects WHERE src IN ('{a}', '{b}')"), [["2"]])
+        self.assertEqual(self.session.query("SELECT count(*) FROM receipt"), [[str(2 * PG_CLIENTS * PG_ROUNDS)]])
 
     def test_16_copies_of_one_op_give_1_applied_and_15_replayed_and_a_23505_retried_answers_right(self):
         self.resources(**{f"A{r}": 10 for r in range(PG_ROUNDS)}, **{f"B{r}": 0 for r in range(PG_ROUNDS)},
@@ -1015,7 +1005,7 @@ class PostgresArticle7Test(unittest.TestCase):
             missing = {"status": "missing_resource", "missing": [f"X{r}", f"Y{r}"]}
             self.assertEqual(sorted(run_experiment.pg_answers(outputs, phases * r + 2 + pairs), key=lambda a: a["status"]),
                              [missing] + [{"status": "replayed", "result": missing}] * 15)
-        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
+        self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
                          [[str((1 + pairs) * PG_ROUNDS), str((2 + pairs) * PG_ROUNDS)]])
 
     def test_change_loses_no_update_runs_once_per_op_and_a_change_between_plan_and_execute_makes_it_stale(self):
@@ -1061,12 +1051,12 @@ class PostgresArticle7Test(unittest.TestCase):
             late = run_experiment.pg_answers(outputs, (4 + spreads) * r + 3)
             self.assertEqual(late, [{"status": "stale", "observed": {d: 1, b: 9 + len(applied)}}] * PG_CLIENTS)
             self.assertEqual(self.resource(d), (10, 1))
-            self.assertEqual(self.rows(f"SELECT count(*) FROM effects WHERE dst = '{b}'"), [[str(len(applied))]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM effects WHERE dst = '{b}'"), [[str(len(applied))]])
             for n in range(spreads):
                 self.assertEqual(run_experiment.pg_statuses(run_experiment.pg_answers(outputs, (4 + spreads) * r + 4 + n)), ["changed"] + ["conflict"] * 15)
-                self.assertEqual(self.rows(f"SELECT sum(quantity), sum(revision) FROM resources"
+                self.assertEqual(self.session.query(f"SELECT sum(quantity), sum(revision) FROM resources"
                                            f" WHERE name LIKE 'R{r}-{n}-%'"), [[str(10 * PG_CLIENTS + 1), str(PG_CLIENTS + 1)]])
-        self.assertEqual(self.rows("SELECT count(*) FROM changes"), [[str(PG_ROUNDS * (16 + 1 + 8 + spreads))]])
+        self.assertEqual(self.session.query("SELECT count(*) FROM changes"), [[str(PG_ROUNDS * (16 + 1 + 8 + spreads))]])
 
     def test_after_a_purge_an_op_issued_before_the_mark_is_expired_and_purges_never_move_it_back(self):
         ticks = [1000 * (r + 1) for r in range(PG_ROUNDS)]
@@ -1116,9 +1106,9 @@ class PostgresArticle7Test(unittest.TestCase):
             late = run_experiment.pg_answers(outputs, 2 * r + 1)
             self.assertEqual(late[:14], [{"status": "expired", "low_water": t + 8}] * 14)
             self.assertEqual(run_experiment.pg_statuses(late[14:]), ["applied", "stale"])
-            self.assertEqual(self.rows(f"SELECT count(*) FROM receipt WHERE op IN ('x{r}', 's{r}', 'c{r}')"
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM receipt WHERE op IN ('x{r}', 's{r}', 'c{r}')"
                                        f" OR op LIKE 'n{r}-%'"), [["0"]])
-        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM changes),"
+        self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM changes),"
                                    " (SELECT count(*) FROM receipt)"), [[str(2 * PG_ROUNDS), str(PG_ROUNDS), str(2 * PG_ROUNDS)]])
 
     def test_the_sql_answers_as_preconditions_py_does_step_by_step(self):
@@ -1187,11 +1177,11 @@ class PostgresArticle7Test(unittest.TestCase):
             self.assertEqual(sql(step), python(step), step)
         snapshot = preconditions.snapshot(twin)
         self.assertEqual({name: {"quantity": int(q), "revision": int(v)}
-                          for name, q, v in self.rows("SELECT name, quantity, revision FROM resources")},
+                          for name, q, v in self.session.query("SELECT name, quantity, revision FROM resources")},
                          snapshot["resources"])
-        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
+        self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM receipt)"),
                          [[str(snapshot["effects"]), str(snapshot["receipts"])]])
-        self.assertEqual(self.rows("SELECT count(*) FROM changes"),
+        self.assertEqual(self.session.query("SELECT count(*) FROM changes"),
                          [[str(twin.execute("SELECT count(*) FROM changes").fetchone()[0])]])
 
 

@@ -909,7 +909,7 @@ class ValidationTest(Case):
     def test_the_command_line_refuses_a_repeated_key_or_json_nested_too_deeply_in_one_line(self):
         with workspace() as ws:
             ws.close()
-            for payload, said in (('{"x": 1, "x": 2}', "repeated"), ("[" * 50000 + "]" * 50000, "nests too deeply")):
+            for payload, said in (('{"x": 1, "x": 2}', "repeats a key"), ("[" * 50000 + "]" * 50000, "nests too deeply")):
                 with self.subTest(said):
                     code, out, err = cli("enqueue", ws.root, "agent", "k1", payload, "--now", 0)
                     self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
@@ -2579,18 +2579,8 @@ PG_CLIENTS, PG_ROUNDS, PG_CALLER = 16, 10, "agent"
 PG_FILLER = 500  # receipts a racing purge deletes besides the replayed one: a purge long enough to overlap
 
 
-class PostgresArticle1Test(unittest.TestCase):
+class PostgresArticle1Test(run_experiment.pg_case(1)):
     """第一篇 in PostgreSQL: receive, purge, enqueue, claim and acknowledge under 16 racing clients."""
-
-    @classmethod
-    def setUpClass(cls):
-        run_experiment.pg_prepare(cls, 1)
-
-    def setUp(self):
-        run_experiment.pg_open(self)
-
-    def rows(self, sql):
-        return self.session.query(sql)
 
     def test_16_copies_of_one_request_make_one_ticket_and_another_payload_is_conflict(self):
         scripts = [[] for _ in range(PG_CLIENTS)]
@@ -2605,11 +2595,11 @@ class PostgresArticle1Test(unittest.TestCase):
             self.assertEqual(len({json.dumps(a, sort_keys=True) for a in first}), 1, f"round {r}: {first}")
             self.assertEqual(sorted(first[0]), ["caller", "digest", "key", "ticket_id"])
             self.assertEqual(run_experiment.pg_answers(outputs, 2 * r + 1), first[:8] + [{"error": "conflict"}] * 8)
-            stored = self.rows(f"SELECT t.id, t.payload, r.digest FROM tickets t JOIN receipts r ON r.ticket_id = t.id"
+            stored = self.session.query(f"SELECT t.id, t.payload, r.digest FROM tickets t JOIN receipts r ON r.ticket_id = t.id"
                                f" WHERE t.key = 'copy-{r}'")
             self.assertEqual(stored, [[str(first[0]["ticket_id"]), json.dumps({"title": f"ticket {r}"}),
                                        first[0]["digest"]]])
-        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts)"),
+        self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts)"),
                          [[str(PG_ROUNDS), str(PG_ROUNDS)]])
 
     def test_late_replays_racing_purges_never_make_a_second_ticket_and_the_mark_never_moves_back(self):
@@ -2635,10 +2625,10 @@ class PostgresArticle1Test(unittest.TestCase):
         def after(phase):
             r, t = phase // 2, ticks[phase // 2]
             self.assertEqual(self.session.value("SELECT low_water FROM retention"), str(t + 8), "the highest mark")
-            self.assertEqual(self.rows(f"SELECT count(*) FROM tickets WHERE key = 'late-{r}'"), [["1"]])
-            self.assertEqual(self.rows(f"SELECT count(*) FROM receipts WHERE tick <= {t}"), [["0"]])
-            self.assertEqual(self.rows(f"SELECT count(*) FROM receipts WHERE key = 'late-{r}'"), [["0"]])
-            self.assertEqual(self.rows(f"SELECT count(*) FROM tickets WHERE key LIKE 'new-{r}-%'"), [["0"]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM tickets WHERE key = 'late-{r}'"), [["1"]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM receipts WHERE tick <= {t}"), [["0"]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM receipts WHERE key = 'late-{r}'"), [["0"]])
+            self.assertEqual(self.session.query(f"SELECT count(*) FROM tickets WHERE key LIKE 'new-{r}-%'"), [["0"]])
         outputs = run_experiment.pg_race(self.session, scripts, after=after)
         for r, t in enumerate(ticks):
             racing = run_experiment.pg_answers(outputs, 2 * r)
@@ -2657,7 +2647,7 @@ class PostgresArticle1Test(unittest.TestCase):
                 else:
                     self.assertEqual(a, first[r], "a replay before the purge is the stored answer")
             self.assertEqual(run_experiment.pg_answers(outputs, 2 * r + 1), [{"error": "expired", "low_water": t + 8}] * PG_CLIENTS)
-        self.assertEqual(self.rows("SELECT count(*), count(DISTINCT key) FROM tickets WHERE caller = 'agent'"),
+        self.assertEqual(self.session.query("SELECT count(*), count(DISTINCT key) FROM tickets WHERE caller = 'agent'"),
                          [[str(PG_ROUNDS)] * 2])
 
     def test_16_claimers_one_winner_per_attempt_unknown_never_reclaimed_late_acks_change_nothing(self):
@@ -2716,10 +2706,10 @@ class PostgresArticle1Test(unittest.TestCase):
             acked = run_experiment.pg_answers(outputs, 3 * r + 2)
             self.assertEqual(sorted(acked[2:4]), ["f", "t"], "one of two copies of the current attempt's ack")
             self.assertEqual(acked[:2] + acked[4:], ["f", "f", "t"] + ["f"] * 11, "late acks change nothing")
-            self.assertEqual(self.rows(f"SELECT lease_until, owner_pid FROM outbox WHERE key = 'X-{r}'"),
+            self.assertEqual(self.session.query(f"SELECT lease_until, owner_pid FROM outbox WHERE key = 'X-{r}'"),
                              [[str(t + 10), str(owner)]])
         state = {key: (s, int(a), json.loads(resp) if resp else None) for key, s, a, resp in
-                 self.rows("SELECT key, state, attempts, response FROM outbox")}
+                 self.session.query("SELECT key, state, attempts, response FROM outbox")}
         for key, final in expected.items():
             self.assertEqual(state[key][:2], final, key)
             name = key.split("-")[0]
@@ -2848,12 +2838,12 @@ class PostgresArticle1Test(unittest.TestCase):
             self.assertEqual(sql(step), python(step), step)
         python_rows = sender.execute("SELECT o.key, o.state, o.attempts, o.lease_until, o.response FROM outbox o"
                                      " ORDER BY o.id").fetchall()
-        sql_rows = self.rows("SELECT key, state, attempts, lease_until, response FROM outbox ORDER BY id")
+        sql_rows = self.session.query("SELECT key, state, attempts, lease_until, response FROM outbox ORDER BY id")
         self.assertEqual([(k, s, str(a), "" if l is None else str(l), pg_normal(r)) for k, s, a, l, r in python_rows],
                          [(k, s, a, l, pg_normal(r)) for k, s, a, l, r in sql_rows])
         self.assertEqual([r[0] for r in receiver.execute("SELECT count(*) FROM tickets UNION ALL"
                                                          " SELECT count(*) FROM receipts")],
-                         [int(n[0]) for n in self.rows("SELECT count(*) FROM tickets UNION ALL"
+                         [int(n[0]) for n in self.session.query("SELECT count(*) FROM tickets UNION ALL"
                                                        " SELECT count(*) FROM receipts")])
 
     def test_bad_input_a_corrupt_receipt_and_rewritten_decisions_change_nothing(self):
@@ -2875,7 +2865,7 @@ class PostgresArticle1Test(unittest.TestCase):
         for statement in ("UPDATE resolutions SET reason = 'other'", "DELETE FROM resolutions",
                           "TRUNCATE resolutions"):
             self.assertEqual(run_experiment.pg_sqlstate(self.session, statement), "P0001", statement)
-        self.assertEqual(self.rows("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts),"
+        self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts),"
                                    " (SELECT count(*) FROM requests), (SELECT count(*) FROM resolutions)"),
                          [["1", "1", "1", "1"]])
 
