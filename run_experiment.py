@@ -1780,6 +1780,8 @@ PG_POLL = 0.002                   # seconds between two looks at pg_locks while 
 PG_BARRIER_CLASS = 7300           # first advisory-lock class of the barriers; one class per race
 PG_FOLDER_PREFIX = "reliability-pg-"
 PG_SEPARATOR = "\x1f"             # psql field separator: never in our values
+PG_CLIENTS, PG_ROUNDS = 16, 10    # the tests' races: clients released together, rounds of them
+PG_FILLER = 500                   # receipts a racing purge deletes besides the replayed one: long enough to overlap
 PR_SET_PDEATHSIG = 1           # linux/prctl.h
 _pg_races = [0]
 _pg_shared = []
@@ -2226,6 +2228,11 @@ def pg_call(function, *args):
     return f"SELECT {function}({', '.join(map(pg_literal, args))});"
 
 
+def pg_retrying(function, *args):
+    """pg_call inside the tests' retrying() (PG_RETRY_23505): the README's rule for 23505."""
+    return pg_call("retrying", pg_call(function, *args).rstrip(";"))
+
+
 def pg_answers(outputs, phase):
     """Each client's one printed value in ``phase``, parsed as JSON where it is JSON."""
     values = []
@@ -2291,7 +2298,7 @@ END $$"""
 
 
 def pg_sqlstate(session, statement):
-    return session.value(f"SELECT pg_temp.sqlstate_of({pg_literal(statement)})")
+    return session.value(f"SELECT pg_temp.sqlstate_of({pg_literal(statement.rstrip(';'))})")
 
 
 # --- results, comparison and the command line ------------------------------------------

@@ -82,11 +82,11 @@ def digest_of(command):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def cli(*args, between=None):
+def cli(*args, between=None, stdin=b""):
     """preconditions.py's command line, main(argv), in a forked child as the driver's children run;
     (exit code, stdout, stderr) as UTF-8.  With ``between``, for a --wait child: at its READY
     line (it has read what it checks) run between(), then write GO."""
-    code, out, err = run_experiment.fork_main(pre, args, at_ready=between)
+    code, out, err = run_experiment.fork_main(pre, args, stdin, at_ready=between)
     return code, out.decode("utf-8"), err.decode("utf-8")
 
 
@@ -302,10 +302,9 @@ class SameTransaction(Case):
         self.assertEqual((code, out), (1, ""))
         self.assertIn("repeats a key", err)
         for answer in (b"NO\n", b""):  # another word, or the parent gone (end of file): never a go
-            code, out, err = run_experiment.fork_main(pre, ["execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
-                                                            "--wait"], stdin=answer)
-            self.assertEqual((code, out), (1, b"READY\n"))
-            self.assertIn(b"expected GO", err)
+            code, out, err = cli("execute", self.db, "job-1", json.dumps(plan()), "--now", 0, "--wait", stdin=answer)
+            self.assertEqual((code, out), (1, "READY\n"))
+            self.assertIn("expected GO", err)
         self.assertEqual(self.figures(), START)
         self.assertEqual(cli("init", os.path.join(self.dir, "twice.db"), "A=1", "A=2")[0], 2)  # one name twice
         self.assertFalse(os.path.exists(os.path.join(self.dir, "twice.db")))
@@ -858,13 +857,13 @@ class CommandLine(Case):
     """Beyond 第七篇: the script as the experiment's children run it; one JSON line of UTF-8 bytes; exit 0/1/2/73."""
 
     def test_help_lists_every_command_and_execute_its_boundaries_with_their_exit_codes(self):
-        code, out, _ = run_experiment.fork_main(pre, ["--help"])  # through sys.stdout: flushed before the exit
+        code, out, _ = cli("--help")  # through sys.stdout: flushed before the exit
         self.assertEqual(code, 0)
         for command in ("init", "execute", "change", "purge", "snapshot", "unsafe-check-then-act"):
-            self.assertIn(command.encode(), out)
-        code, out, _ = run_experiment.fork_main(pre, ["execute", "--help"])
+            self.assertIn(command, out)
+        code, out, _ = cli("execute", "--help")
         self.assertEqual(code, 0)
-        self.assertIn(", ".join(f"{b} {n}" for b, n in pre.EXIT_CODES.items()), " ".join(out.decode().split()))
+        self.assertIn(", ".join(f"{b} {n}" for b, n in pre.EXIT_CODES.items()), " ".join(out.split()))
         self.assertEqual(sorted(pre.EXIT_CODES.values()), [71, 72, 73])
 
     def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
@@ -930,13 +929,7 @@ class CommandLine(Case):
 # exit); each race releases 16 psql clients together at an advisory-lock barrier the test sees
 # in pg_locks, for 10 rounds; assertions are counts and statuses.  Without PostgreSQL they skip.
 
-PG_CLIENTS, PG_ROUNDS = 16, 10
-PG_MAX_INT64 = pre.MAX_INT64
-PG_FILLER = 500  # receipts a racing purge deletes besides the replayed one: a purge long enough to overlap
-
-
-def pg_plan(src, dst, amount, expected_src, expected_dst):
-    return {"src": src, "dst": dst, "amount": amount, "expected": {src: expected_src, dst: expected_dst}}
+PG_CLIENTS, PG_ROUNDS, PG_FILLER = run_experiment.PG_CLIENTS, run_experiment.PG_ROUNDS, run_experiment.PG_FILLER
 
 
 class PostgresArticle7Test(run_experiment.pg_case(7)):
@@ -955,8 +948,8 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
         for r in range(PG_ROUNDS):
             a, b = f"A{r}", f"B{r}"
             for i in range(PG_CLIENTS):
-                scripts[i].append(run_experiment.pg_call("execute", f"d{r}-{i}", pg_plan(a, b, 3, 1, 1), r, r))
-                mixed = pg_plan(a, b, 1, 2, 2) if i < 8 else pg_plan(b, a, 1, 2, 2)  # A->B and B->A at once
+                scripts[i].append(run_experiment.pg_call("execute", f"d{r}-{i}", plan(1, 1, 3, a, b), r, r))
+                mixed = plan(2, 2, 1, a, b) if i < 8 else plan(2, 2, 1, b, a)  # A->B and B->A at once
                 scripts[i].append(run_experiment.pg_call("execute", f"m{r}-{i}", mixed, r, r))
         outputs = run_experiment.pg_race(self.session, scripts)
         for r in range(PG_ROUNDS):
@@ -982,14 +975,13 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
         scripts = [[] for _ in range(PG_CLIENTS)]
         for r in range(PG_ROUNDS):
             for i in range(PG_CLIENTS):
-                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), r, r))
-                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", pg_plan(f"A{r}", f"B{r}", 4, 1, 1), r, r))
+                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), r, r))
+                scripts[i].append(run_experiment.pg_call("execute", f"same{r}", plan(1, 1, 4, f"A{r}", f"B{r}"), r, r))
                 # One op on 16 pairs of rows, then on missing rows: 23505, retried as the README says.
                 for n in range(pairs):
-                    pair = pg_plan(f"P{r}-{n}-{i}a", f"P{r}-{n}-{i}b", 1, 1, 1)
-                    scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("execute", f"pair{r}-{n}", pair, r, r).rstrip(";")))
-                scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("execute", f"gone{r}", pg_plan(f"X{r}", f"Y{r}", 1, 1, 1),
-                                                        r, r).rstrip(";")))
+                    pair = plan(1, 1, 1, f"P{r}-{n}-{i}a", f"P{r}-{n}-{i}b")
+                    scripts[i].append(run_experiment.pg_retrying("execute", f"pair{r}-{n}", pair, r, r))
+                scripts[i].append(run_experiment.pg_retrying("execute", f"gone{r}", plan(1, 1, 1, f"X{r}", f"Y{r}"), r, r))
         outputs = run_experiment.pg_race(self.session, scripts)
         phases = 3 + pairs
         for r in range(PG_ROUNDS):
@@ -1021,13 +1013,12 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
                 scripts[i].append(run_experiment.pg_call("change", f"inc{r}-{i}", c, 1, r, r))  # 16 distinct changes of one row
                 scripts[i].append(run_experiment.pg_call("change", f"once{r}", c, 5, r, r))      # 16 copies of one change
                 scripts[i].append(run_experiment.pg_call("change", f"b{r}-{i}", b, 2, r, r) if i < 8 else  # changes race plans
-                                  run_experiment.pg_call("execute", f"p{r}-{i}", pg_plan(a, b, 3, 1, 1), r, r))
-                late = pg_plan(d, b, 3, 1, 1) if i < 8 else pg_plan(b, d, 3, 1, 1)  # planned before B changed
+                                  run_experiment.pg_call("execute", f"p{r}-{i}", plan(1, 1, 3, a, b), r, r))
+                late = plan(1, 1, 3, d, b) if i < 8 else plan(1, 1, 3, b, d)  # planned before B changed
                 scripts[i].append(run_experiment.pg_call("execute", f"late{r}-{i}", late, r, r))
                 # One change op sent for 16 rows: one is changed, the 15 others conflict (after 23505).
                 for n in range(spreads):
-                    scripts[i].append(run_experiment.pg_call("retrying", run_experiment.pg_call("change", f"spread{r}-{n}", f"R{r}-{n}-{i}", 1, r,
-                                                            r).rstrip(";")))
+                    scripts[i].append(run_experiment.pg_retrying("change", f"spread{r}-{n}", f"R{r}-{n}-{i}", 1, r, r))
         outputs = run_experiment.pg_race(self.session, scripts)
         for r in range(PG_ROUNDS):
             a, b, c, d = f"A{r}", f"B{r}", f"C{r}", f"D{r}"
@@ -1064,22 +1055,22 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
                        **{f"C{r}": 5 for r in range(PG_ROUNDS)})
         decided = {}
         for r, t in enumerate(ticks):
-            for op, statement in ((f"x{r}", run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t)),
-                                  (f"s{r}", run_experiment.pg_call("execute", f"s{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t)),
+            for op, statement in ((f"x{r}", run_experiment.pg_call("execute", f"x{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), t, t)),
+                                  (f"s{r}", run_experiment.pg_call("execute", f"s{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), t, t)),
                                   (f"c{r}", run_experiment.pg_call("change", f"c{r}", f"C{r}", -1, t, t))):
                 decided[op] = json.loads(self.session.value(statement))
         self.session.query(f"INSERT INTO receipt SELECT 'filler-' || n, 'd', '{{}}', 1000 * (1 + n % {PG_ROUNDS})"
                            f" FROM generate_series(1, {PG_FILLER * PG_ROUNDS}) n")
         scripts = [[] for _ in range(PG_CLIENTS)]
         for r, t in enumerate(ticks):
-            x, s, c = (run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t + 600),
-                       run_experiment.pg_call("execute", f"s{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t, t + 600),
+            x, s, c = (run_experiment.pg_call("execute", f"x{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), t, t + 600),
+                       run_experiment.pg_call("execute", f"s{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), t, t + 600),
                        run_experiment.pg_call("change", f"c{r}", f"C{r}", -1, t, t + 600))
             racing = [run_experiment.pg_call("purge", t + 500 + i + 1, 500) for i in range(8)] + [x] * 3 + [s] * 3 + [c] * 2
-            after = ([x] * 3 + [run_experiment.pg_call("execute", f"x{r}", pg_plan(f"A{r}", f"B{r}", 3, 1, 1), t + 9, t + 600)] * 2
+            after = ([x] * 3 + [run_experiment.pg_call("execute", f"x{r}", plan(1, 1, 3, f"A{r}", f"B{r}"), t + 9, t + 600)] * 2
                      + [s] * 3 + [c] * 2
-                     + [run_experiment.pg_call("execute", f"n{r}-{i}", pg_plan(f"A{r}", f"B{r}", 1, 2, 2), t, t + 600) for i in range(4)]
-                     + [run_experiment.pg_call("execute", f"f{r}-{i}", pg_plan(f"A{r}", f"B{r}", 1, 2, 2), t + 9, 10 ** 6)
+                     + [run_experiment.pg_call("execute", f"n{r}-{i}", plan(2, 2, 1, f"A{r}", f"B{r}"), t, t + 600) for i in range(4)]
+                     + [run_experiment.pg_call("execute", f"f{r}-{i}", plan(2, 2, 1, f"A{r}", f"B{r}"), t + 9, 10 ** 6)
                         for i in range(2)])  # written at a tick no later purge reaches
             for i in range(PG_CLIENTS):
                 scripts[i] += [racing[i], after[i]]
@@ -1112,30 +1103,29 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
                                    " (SELECT count(*) FROM receipt)"), [[str(2 * PG_ROUNDS), str(PG_ROUNDS), str(2 * PG_ROUNDS)]])
 
     def test_the_sql_answers_as_preconditions_py_does_step_by_step(self):
-        preconditions = pre
         folder = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, folder)
-        quantities = {"A": 10, "B": 0, "C": 5, "Q": PG_MAX_INT64 - 1, "R": 1}
-        preconditions.init(os.path.join(folder, "p.db"), quantities)
-        twin = preconditions.connect(os.path.join(folder, "p.db"))
+        quantities = {"A": 10, "B": 0, "C": 5, "Q": pre.MAX_INT64 - 1, "R": 1}
+        pre.init(os.path.join(folder, "p.db"), quantities)
+        twin = pre.connect(os.path.join(folder, "p.db"))
         self.addCleanup(twin.close)
-        twin.execute("UPDATE resources SET revision = ? WHERE name = 'R'", (PG_MAX_INT64,))
+        twin.execute("UPDATE resources SET revision = ? WHERE name = 'R'", (pre.MAX_INT64,))
         self.resources(**quantities)
-        self.session.query(f"UPDATE resources SET revision = {PG_MAX_INT64} WHERE name = 'R'")
+        self.session.query(f"UPDATE resources SET revision = {pre.MAX_INT64} WHERE name = 'R'")
 
         def python(step):
             kind, args = step[0], step[1:]
             try:
                 if kind == "purge":
-                    return preconditions.purge(twin, *args)
+                    return pre.purge(twin, *args)
                 *args, issued_at, now = args
-                return getattr(preconditions, kind)(twin, *args, issued_at=issued_at, now=now)
+                return getattr(pre, kind)(twin, *args, issued_at=issued_at, now=now)
             except (ValueError, TypeError) as error:
                 return "backwards" if "move it backwards" in str(error) else "invalid"
 
         def sql(step):
             statement = run_experiment.pg_call(*step)
-            if run_experiment.pg_sqlstate(self.session, statement.rstrip(";")) == "22023":
+            if run_experiment.pg_sqlstate(self.session, statement) == "22023":
                 return "invalid"
             answer = json.loads(self.session.value(statement))
             if step[0] == "purge":
@@ -1143,14 +1133,14 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
             return answer
 
         steps = [
-            ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 1), ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 2),
-            ("execute", "op1", pg_plan("A", "B", 4, 1, 1), 1, 2), ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 2),
-            ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 3), ("execute", "op3", pg_plan("A", "B", 100, 2, 2), 3, 3),
-            ("execute", "op4", pg_plan("A", "X", 1, 2, 1), 3, 3), ("execute", "op5", pg_plan("Y", "X", 1, 1, 1), 3, 3),
-            ("execute", "op6", pg_plan("A", "Q", 3, 2, 1), 4, 4), ("execute", "op7", pg_plan("A", "R", 1, 2, PG_MAX_INT64), 4, 4),
-            ("execute", "op8", pg_plan("Q", "A", 1, 1, 2), 4, 4),
+            ("execute", "op1", plan(1, 1, 3, "A", "B"), 1, 1), ("execute", "op1", plan(1, 1, 3, "A", "B"), 1, 2),
+            ("execute", "op1", plan(1, 1, 4, "A", "B"), 1, 2), ("execute", "op2", plan(1, 1, 3, "A", "B"), 2, 2),
+            ("execute", "op2", plan(1, 1, 3, "A", "B"), 2, 3), ("execute", "op3", plan(2, 2, 100, "A", "B"), 3, 3),
+            ("execute", "op4", plan(2, 1, 1, "A", "X"), 3, 3), ("execute", "op5", plan(1, 1, 1, "Y", "X"), 3, 3),
+            ("execute", "op6", plan(2, 1, 3, "A", "Q"), 4, 4), ("execute", "op7", plan(2, pre.MAX_INT64, 1, "A", "R"), 4, 4),
+            ("execute", "op8", plan(1, 2, 1, "Q", "A"), 4, 4),
             ("change", "ch1", "C", -1, 5, 5), ("change", "ch1", "C", -1, 5, 6), ("change", "ch1", "C", -2, 5, 6),
-            ("change", "ch2", "C", 1, 6, 6), ("execute", "op9", pg_plan("C", "A", 1, 1, 3), 7, 7),
+            ("change", "ch2", "C", 1, 6, 6), ("execute", "op9", plan(1, 3, 1, "C", "A"), 7, 7),
             ("change", "ch3", "C", -100, 7, 7), ("change", "ch4", "Q", 2, 7, 7), ("change", "ch4b", "Q", 1, 7, 7),
             ("change", "ch5", "R", 1, 7, 7), ("change", "ch6", "Z", 1, 7, 7), ("change", "op1", "C", 1, 7, 7),
             ("execute", "bad", {"src": "A", "dst": "B", "amount": True, "expected": {"A": 1, "B": 1}}, 7, 7),
@@ -1163,19 +1153,19 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
             ("execute", "bad", {"src": "A", "dst": "B", "amount": 1, "expected": {"A": 1, "B": 0}}, 7, 7),
             ("execute", "bad", {"src": "A", "dst": "B", "amount": 1, "expected": {"A": 1, "B": 1}, "x": 1}, 7, 7),
             ("execute", "bad", {"src": "", "dst": "B", "amount": 1, "expected": {"": 1, "B": 1}}, 7, 7),
-            ("execute", "", pg_plan("A", "B", 1, 1, 1), 7, 7), ("execute", "o" * 129, pg_plan("A", "B", 1, 1, 1), 7, 7),
-            ("execute", "bad", pg_plan("A", "B", 1, 1, 1), 8, 7), ("change", "bad", "C", -PG_MAX_INT64 - 1, 7, 7),
+            ("execute", "", plan(1, 1, 1, "A", "B"), 7, 7), ("execute", "o" * 129, plan(1, 1, 1, "A", "B"), 7, 7),
+            ("execute", "bad", plan(1, 1, 1, "A", "B"), 8, 7), ("change", "bad", "C", -pre.MAX_INT64 - 1, 7, 7),
             ("change", "bad", "", 1, 7, 7), ("change", "bad", "C", 1, -1, 7),
             ("purge", 60, 50), ("purge", 55, 50), ("purge", 60, 61), ("purge", 60, 0),
-            ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 1, 61), ("execute", "op1", pg_plan("A", "B", 3, 1, 1), 20, 61),
-            ("execute", "op2", pg_plan("A", "B", 3, 1, 1), 2, 61), ("change", "ch2", "C", 1, 6, 61),
-            ("change", "ch2", "C", 1, 30, 61), ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 5, 61),
-            ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 40, 61), ("execute", "op11", pg_plan("A", "B", 1, 3, 3), 61, 62),
-            ("execute", "op10", pg_plan("A", "B", 1, 2, 2), 40, 63),
+            ("execute", "op1", plan(1, 1, 3, "A", "B"), 1, 61), ("execute", "op1", plan(1, 1, 3, "A", "B"), 20, 61),
+            ("execute", "op2", plan(1, 1, 3, "A", "B"), 2, 61), ("change", "ch2", "C", 1, 6, 61),
+            ("change", "ch2", "C", 1, 30, 61), ("execute", "op10", plan(2, 2, 1, "A", "B"), 5, 61),
+            ("execute", "op10", plan(2, 2, 1, "A", "B"), 40, 61), ("execute", "op11", plan(3, 3, 1, "A", "B"), 61, 62),
+            ("execute", "op10", plan(2, 2, 1, "A", "B"), 40, 63),
         ]
         for step in steps:
             self.assertEqual(sql(step), python(step), step)
-        snapshot = preconditions.snapshot(twin)
+        snapshot = pre.snapshot(twin)
         self.assertEqual({name: {"quantity": int(q), "revision": int(v)}
                           for name, q, v in self.session.query("SELECT name, quantity, revision FROM resources")},
                          snapshot["resources"])

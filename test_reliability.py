@@ -522,10 +522,9 @@ class DatabaseFileTest(Case):
         with tempfile.TemporaryDirectory() as root:
             fifo = os.path.join(root, SENDER)
             os.mkfifo(fifo)  # opening it to read would wait for ever for a writer: so in a child, watched
-            done = subprocess.run([sys.executable, "-I", "-S", SCRIPT, "snapshot", root], capture_output=True,
-                                  timeout=WATCHDOG)
-            self.assertEqual((done.returncode, done.stdout), (1, b""))
-            self.assertIn(f"not a regular file, so not a database: '{fifo}'", done.stderr.decode("utf-8"))
+            code, out, err = cli("snapshot", root)
+            self.assertEqual((code, out), (1, ""))
+            self.assertIn(f"not a regular file, so not a database: '{fifo}'", err)
 
     def test_a_database_with_a_second_name_is_refused_naming_the_path(self):
         with workspace() as ws:
@@ -992,12 +991,11 @@ class FailClosedTest(Case):
                         ws.sender.execute("UPDATE requests SET payload = ?, digest = ? WHERE key = ?",
                                           (value, hashlib.sha256(value.encode()).hexdigest(), key))
                     elif column == "attempts":  # an outbox column
-                        with raw(ws.path("sender")) as tamper:
-                            tamper.execute(f"UPDATE outbox SET {column} = ? WHERE key = ?", (value, key))
+                        ws.sender.execute("UPDATE outbox SET attempts = ? WHERE key = ?", (value, key))
                     else:
                         ws.sender.execute(f"UPDATE requests SET {column} = ? WHERE key = ?", (value, key))
                     self.assertEqual(reliability.claim(ws.sender, 0)["key"], key + "/next")  # not held back
-                    self.assertEqual(state(ws, key)[0], "blocked")
+                    self.assertEqual(state(ws, key), ("blocked", value if column == "attempts" else 0))
                     self.assertIn("corrupt intent", outbox(ws, key)["response"]["error"])
 
     def test_a_corrupt_receipt_is_answered_as_such_and_the_sender_blocks_the_row_at_once(self):
@@ -1987,28 +1985,20 @@ def connect_error_as_another_user(path):
     return run_experiment.run_forked(_connect_as_nobody, path)
 
 
-def _queue_once(database):
-    with contextlib.closing(reliability.connect(database)) as connection:
-        try:
-            with reliability.queued(connection, deadline=0):
-                return "in line and out"
-        except reliability.Busy:
-            return "busy"
-
-
-def _alive_as_nobody(pid):
-    if os.geteuid() == 0:  # root may signal anyone: become nobody first
+def _become_nobody():
+    if os.geteuid() == 0:  # root may signal anyone and passes every permission check
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
+
+
+def _alive_as_nobody(pid):
+    _become_nobody()
     return reliability._alive(pid)
 
 
 def _connect_as_nobody(path):
-    if os.geteuid() == 0:  # root passes every permission check: become nobody first
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
+    _become_nobody()
     try:
         reliability.connect(path).close()
         return "opened"
@@ -2065,13 +2055,13 @@ def _write_in_turn(database, name, log):
     return name
 
 
-def _give_up(database, times=1):
-    """Waits in line a hundredth of a second ``times`` times: "busy" each time, as the turn is held."""
+def _give_up(database, times=1, deadline=0.01):
+    """Waits in line ``deadline`` seconds ``times`` times: "busy" each time the turn is held."""
     with contextlib.closing(reliability.connect(database)) as connection:
         said = set()
         for _ in range(times):
             try:
-                with reliability.queued(connection, deadline=0.01):
+                with reliability.queued(connection, deadline=deadline):
                     said.add("had the turn")
             except reliability.Busy:
                 said.add("busy")
@@ -2390,7 +2380,7 @@ class QueueTest(Case):
             line.join("first")
             line.talk("gave up", _give_up_and_stay)
             line.heard("gave up")  # it drew a ticket and left the line, and stays alive
-            self.assertEqual(run_experiment.run_forked(_queue_once, database), "busy")  # one try: no ticket
+            self.assertEqual(run_experiment.run_forked(_give_up, database, 1, 0), "busy")  # one try: no ticket
             with self.assertRaises(reliability.Busy):  # here: in line, then out, with nothing left open
                 with reliability.queued(ws.receiver, deadline=0.01):
                     pass
@@ -2416,7 +2406,7 @@ class QueueTest(Case):
                         if outcome == "raised":
                             raise RuntimeError("the write failed")
                 # one try (deadline 0) from another process: Busy would mean the lock was kept
-                self.assertEqual(run_experiment.run_forked(_queue_once, ws.path("receiver")), "in line and out")
+                self.assertEqual(run_experiment.run_forked(_give_up, ws.path("receiver"), 1, 0), "had the turn")
 
     def test_the_lock_dies_with_its_holder_although_its_forked_child_keeps_the_descriptor(self):
         import ctypes
@@ -2575,8 +2565,8 @@ class VersionGuardTest(unittest.TestCase):
 # exit); each race releases 16 psql clients together at an advisory-lock barrier the test sees
 # in pg_locks, for 10 rounds; assertions are counts and statuses.  Without PostgreSQL they skip.
 
-PG_CLIENTS, PG_ROUNDS, PG_CALLER = 16, 10, "agent"
-PG_FILLER = 500  # receipts a racing purge deletes besides the replayed one: a purge long enough to overlap
+PG_CLIENTS, PG_ROUNDS, PG_FILLER = run_experiment.PG_CLIENTS, run_experiment.PG_ROUNDS, run_experiment.PG_FILLER
+PG_CALLER = "agent"
 
 
 class PostgresArticle1Test(run_experiment.pg_case(1)):
@@ -2652,9 +2642,9 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
 
     def test_16_claimers_one_winner_per_attempt_unknown_never_reclaimed_late_acks_change_nothing(self):
         # Per round r at tick t, rows in every state; later rounds' rows are not due yet.
-        def response(key, ticket=7):
+        def response(key):
             return ("jsonb_build_object('caller', 'agent', 'key', " + run_experiment.pg_literal(key) + ", 'digest',"
-                    f" (SELECT digest FROM requests WHERE key = {run_experiment.pg_literal(key)}), 'ticket_id', {ticket})")
+                    f" (SELECT digest FROM requests WHERE key = {run_experiment.pg_literal(key)}), 'ticket_id', 7)")
         fixture, expected = [], {}
         for r in range(PG_ROUNDS):
             t = 100 * (r + 1)
@@ -2724,13 +2714,10 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
                 self.assertIsNone(state[key][2], key)
 
     def test_the_sql_answers_as_reliability_py_does_step_by_step(self):
-        root = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, root)
-        reliability.init(root)
-        sender = reliability.connect(os.path.join(root, "sender.db"))
-        self.addCleanup(sender.close)
-        receiver = reliability.connect(os.path.join(root, "receiver.db"))
-        self.addCleanup(receiver.close)
+        stack = contextlib.ExitStack()
+        self.addCleanup(stack.close)
+        ws = stack.enter_context(workspace())
+        sender, receiver = ws.sender, ws.receiver
         tickets = {"python": {}, "sql": {}}
 
         def ticket(side, number):  # ticket ids in order of first appearance: sequences may skip
@@ -2786,7 +2773,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
                 statement = run_experiment.pg_call("claim", args[0], os.getpid())
             else:
                 statement = run_experiment.pg_call(kind, *((PG_CALLER,) if kind in ("receive", "enqueue") else ()), *args)
-            if run_experiment.pg_sqlstate(self.session, statement.rstrip(";")) == "22023":
+            if run_experiment.pg_sqlstate(self.session, statement) == "22023":
                 return "invalid"
             value = self.session.value(statement)
             answer = json.loads(value) if value[:1] == "{" else value
@@ -2841,8 +2828,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
         sql_rows = self.session.query("SELECT key, state, attempts, lease_until, response FROM outbox ORDER BY id")
         self.assertEqual([(k, s, str(a), "" if l is None else str(l), pg_normal(r)) for k, s, a, l, r in python_rows],
                          [(k, s, a, l, pg_normal(r)) for k, s, a, l, r in sql_rows])
-        self.assertEqual([r[0] for r in receiver.execute("SELECT count(*) FROM tickets UNION ALL"
-                                                         " SELECT count(*) FROM receipts")],
+        self.assertEqual(list(counts(receiver)),
                          [int(n[0]) for n in self.session.query("SELECT count(*) FROM tickets UNION ALL"
                                                        " SELECT count(*) FROM receipts")])
 
@@ -2854,7 +2840,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
                           run_experiment.pg_call("receive", PG_CALLER, "k2", {"x": "y" * 65536}, 1, 1),
                           run_experiment.pg_call("purge", 5, 6), run_experiment.pg_call("purge", 5, 0), run_experiment.pg_call("enqueue", PG_CALLER, "e", one, 1, "other"),
                           run_experiment.pg_call("claim", -1, 1), run_experiment.pg_call("acknowledge", PG_CALLER, "nothing", 1, answer)):
-            self.assertEqual(run_experiment.pg_sqlstate(self.session, statement.rstrip(";")), "22023", statement)
+            self.assertEqual(run_experiment.pg_sqlstate(self.session, statement), "22023", statement)
         self.assertEqual(run_experiment.pg_sqlstate(self.session, "INSERT INTO requests VALUES ('agent', 'x', 'idempotent', 'd',"
                                                 " '[1]', 1)"), "23514", "a stored payload is a JSON object")
         self.session.query("UPDATE tickets SET digest = 'x'")
