@@ -38,6 +38,8 @@ MODULE = os.path.join(HERE, "preconditions.py")
 WATCHDOG = 60  # seconds; only prevents a hung test, never a measurement
 # This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
 SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{option}" for option in sys.warnoptions]
+# The article's download: these five files alone run it.
+DOWNLOAD = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md")
 START = ({"A": (10, 1), "B": (0, 1)}, 0, 0)  # (name: (quantity, revision)), effects, receipts
 APPLIED = {"status": "applied", "revisions": {"A": 2, "B": 2}, "quantities": {"A": 7, "B": 3}}
 AFTER_APPLIED = ({"A": (7, 2), "B": (3, 2)}, 1, 1)
@@ -1314,8 +1316,7 @@ class ReadmeForArticle7(unittest.TestCase):
     def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_what_it_says(self):
         [block] = [block for block in run_experiment.readme_blocks("sh") if "python3 preconditions.py init" in block]
         self.assertGreaterEqual(len([line for line in block.splitlines() if line.startswith("python3")]), 10)
-        five = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md")
-        code, out, unseen = run_experiment.walk_through(block, five, SAME_FLAGS)
+        code, out, unseen = run_experiment.walk_through(block, DOWNLOAD, SAME_FLAGS)
         self.assertIsNone(unseen, out)  # each output where the reader is told to look, in the block's order
         self.assertEqual(code, 0, out)
         self.assertNotIn("Traceback", out)
@@ -1369,7 +1370,7 @@ class DriverScenarios(unittest.TestCase):
 
     def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
         with tempfile.TemporaryDirectory() as folder:
-            for name in ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py", "README.md"):
+            for name in DOWNLOAD:
                 shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
             env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
             env["PYTHONDONTWRITEBYTECODE"] = "1"

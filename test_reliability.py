@@ -62,6 +62,8 @@ GARBAGE = bytes(range(256)) * 16  # deterministic, and not an SQLite header
 
 # This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
 SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{option}" for option in sys.warnoptions]
+# The article's download: these five files alone run it.
+DOWNLOAD = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py", "README.md")
 
 
 def fs_name(text, fallback):
@@ -1182,10 +1184,6 @@ class CrashBoundaryTest(Case):
                     self.assertIn("usage", err)
             self.assertEqual(counts(ws), EMPTY)
 
-
-# === 第一篇 §5: atomic claims, attempt numbers and leases ===
-
-
     def test_dispatch_passes_a_tool_childs_boundary_on_only_to_the_tool_that_owns_it(self):
         with workspace() as ws:
             enqueue(ws)
@@ -1227,6 +1225,9 @@ class CrashBoundaryTest(Case):
                     self.assertEqual((code, out), (1, ""))
                     self.assertIn(said, err)
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("inflight", 1), 0))  # nothing was sent
+
+
+# === 第一篇 §5: atomic claims, attempt numbers and leases ===
 
 class ClaimTest(Case):
     """§5 两个工作进程同时醒来: one claimer wins; lease 10, recovery at 11; stale acknowledgements refused."""
@@ -1422,10 +1423,6 @@ class UnknownTest(Case):
                 self.assertEqual(getattr(ws, database).execute("SELECT key, payload FROM tickets").fetchall(),
                                  [("工单-1", reliability.canonical(payload)[0])])
 
-
-# === beyond 第一篇: leaving unknown, retention, the opt-in queue, files and ticks ===
-
-
     def test_the_command_line_reads_and_prints_utf8_whatever_the_locale(self):
         # Typed in a C locale, non-ASCII arguments reach Python as surrogates: read as the UTF-8 typed.
         with workspace() as ws:
@@ -1439,6 +1436,9 @@ class UnknownTest(Case):
             self.assertEqual((code, err), (0, b""))
             self.assertEqual(json.loads(out.decode("utf-8"))["response"]["caller"], "代理")  # the sender read it right
             self.assertEqual(outbox(ws, "工单-1", caller="代理")["state"], "done")
+
+
+# === beyond 第一篇: leaving unknown, retention, the opt-in queue, files and ticks ===
 
 class RecordedAttemptTest(Case):
     """Beyond 第一篇: who may still act for an attempt is recorded, for reconcile()."""
@@ -3337,10 +3337,9 @@ class DriverTest(unittest.TestCase):
         self.assertEqual(run_experiment.differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
 
     def test_the_five_downloaded_files_alone_reproduce_results_json_and_import_the_tests(self):
-        five = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py", "README.md")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         with tempfile.TemporaryDirectory() as directory:
-            for name in five:
+            for name in DOWNLOAD:
                 shutil.copyfile(os.path.join(HERE, name), os.path.join(directory, name))
             # The article's command, on one scenario of each group: the same imports, registration and
             # comparison as the whole run (which the README's --check already does), at a fraction of the time;
@@ -3356,7 +3355,7 @@ class DriverTest(unittest.TestCase):
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
             self.assertEqual(imported, (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
-            self.assertEqual(sorted(os.listdir(directory)), sorted(five + ("reproduced.json",)))
+            self.assertEqual(sorted(os.listdir(directory)), sorted(DOWNLOAD + ("reproduced.json",)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -3479,8 +3478,7 @@ class ReadmeTest(unittest.TestCase):
     def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_what_it_says(self):
         [block] = [block for block in run_experiment.readme_blocks("sh") if "python3 reliability.py init" in block]
         self.assertGreaterEqual(len([line for line in block.splitlines() if line.startswith("python3")]), 10)
-        five = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py", "README.md")
-        code, out, unseen = run_experiment.walk_through(block, five, SAME_FLAGS)
+        code, out, unseen = run_experiment.walk_through(block, DOWNLOAD, SAME_FLAGS)
         self.assertIsNone(unseen, out)  # each output where the reader is told to look, in the block's order
         self.assertEqual(code, 0, out)
         self.assertNotIn("Traceback", out)
