@@ -1048,7 +1048,7 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
             for n in range(spreads):
                 self.assertEqual(run_experiment.pg_statuses(run_experiment.pg_answers(outputs, (4 + spreads) * r + 4 + n)), ["changed"] + ["conflict"] * 15)
                 self.assertEqual(self.session.query(f"SELECT sum(quantity), sum(revision) FROM resources"
-                                           f" WHERE name LIKE 'R{r}-{n}-%'"), [[str(10 * PG_CLIENTS + 1), str(PG_CLIENTS + 1)]])
+                                                    f" WHERE name LIKE 'R{r}-{n}-%'"), [[str(10 * PG_CLIENTS + 1), str(PG_CLIENTS + 1)]])
         self.assertEqual(self.session.query("SELECT count(*) FROM changes"), [[str(PG_ROUNDS * (16 + 1 + 8 + spreads))]])
 
     def test_after_a_purge_an_op_issued_before_the_mark_is_expired_and_purges_never_move_it_back(self):
@@ -1100,9 +1100,9 @@ class PostgresArticle7Test(run_experiment.pg_case(7)):
             self.assertEqual(late[:14], [{"status": "expired", "low_water": t + 8}] * 14)
             self.assertEqual(run_experiment.pg_statuses(late[14:]), ["applied", "stale"])
             self.assertEqual(self.session.query(f"SELECT count(*) FROM receipt WHERE op IN ('x{r}', 's{r}', 'c{r}')"
-                                       f" OR op LIKE 'n{r}-%'"), [["0"]])
+                                                f" OR op LIKE 'n{r}-%'"), [["0"]])
         self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM changes),"
-                                   " (SELECT count(*) FROM receipt)"), [[str(2 * PG_ROUNDS), str(PG_ROUNDS), str(2 * PG_ROUNDS)]])
+                                            " (SELECT count(*) FROM receipt)"), [[str(2 * PG_ROUNDS), str(PG_ROUNDS), str(2 * PG_ROUNDS)]])
 
     def test_the_sql_answers_as_preconditions_py_does_step_by_step(self):
         folder = tempfile.mkdtemp()

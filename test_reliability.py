@@ -2586,7 +2586,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
             self.assertEqual(sorted(first[0]), ["caller", "digest", "key", "ticket_id"])
             self.assertEqual(run_experiment.pg_answers(outputs, 2 * r + 1), first[:8] + [{"error": "conflict"}] * 8)
             stored = self.session.query(f"SELECT t.id, t.payload, r.digest FROM tickets t JOIN receipts r ON r.ticket_id = t.id"
-                               f" WHERE t.key = 'copy-{r}'")
+                                        f" WHERE t.key = 'copy-{r}'")
             self.assertEqual(stored, [[str(first[0]["ticket_id"]), json.dumps({"title": f"ticket {r}"}),
                                        first[0]["digest"]]])
         self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts)"),
@@ -2830,7 +2830,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
                          [(k, s, a, l, pg_normal(r)) for k, s, a, l, r in sql_rows])
         self.assertEqual(list(counts(receiver)),
                          [int(n[0]) for n in self.session.query("SELECT count(*) FROM tickets UNION ALL"
-                                                       " SELECT count(*) FROM receipts")])
+                                                                " SELECT count(*) FROM receipts")])
 
     def test_bad_input_a_corrupt_receipt_and_rewritten_decisions_change_nothing(self):
         one = {"title": "one"}
@@ -2852,7 +2852,7 @@ class PostgresArticle1Test(run_experiment.pg_case(1)):
                           "TRUNCATE resolutions"):
             self.assertEqual(run_experiment.pg_sqlstate(self.session, statement), "P0001", statement)
         self.assertEqual(self.session.query("SELECT (SELECT count(*) FROM tickets), (SELECT count(*) FROM receipts),"
-                                   " (SELECT count(*) FROM requests), (SELECT count(*) FROM resolutions)"),
+                                            " (SELECT count(*) FROM requests), (SELECT count(*) FROM resolutions)"),
                          [["1", "1", "1", "1"]])
 
 
