@@ -327,14 +327,16 @@ def _open(path, application_ids):
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
                       " keep its own -wal and committed work could be lost", path)
-    wal, shm = os.path.exists(real + "-wal"), os.path.exists(real + "-shm")
-    for what, where, need, there in (("file", real, os.R_OK | os.W_OK, True),
-                                     ("-wal", real + "-wal", os.R_OK | os.W_OK, wal),
-                                     ("-shm", real + "-shm", os.R_OK | os.W_OK, shm),
-                                     ("directory", os.path.dirname(real), os.W_OK | os.X_OK, True)):
-        if there and not os.access(where, need):
+    # One stat per file decides both whether it is there and whether we may use it: another
+    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
+    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
+    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal), ("-shm", real + "-shm", shm)):
+        if seen is not None and not _read_write(seen):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
                                   " (WAL writes -wal and -shm beside the file)", where)
+    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes -wal"
+                              " and -shm beside the file)", os.path.dirname(real))
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
@@ -366,6 +368,28 @@ def _open(path, application_ids):
         connection.close()
         raise type(error)(f"{path}: {error}") from None
     return connection
+
+
+def _stat(path):
+    """os.stat(path), or None where nothing is there."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _read_write(seen):
+    """Whether the owner, group or other bits of a stat let this process read and write the file,
+    as the kernel decides it (root may always); ACLs are not read, so a grant by one is refused."""
+    if os.geteuid() == 0:
+        return True
+    if seen.st_uid == os.geteuid():
+        bits = seen.st_mode >> 6
+    elif seen.st_gid == os.getegid() or seen.st_gid in os.getgroups():
+        bits = seen.st_mode >> 3
+    else:
+        bits = seen.st_mode
+    return bits & 0o6 == 0o6
 
 
 def _create(path, application_id, schema, fill=None):
