@@ -576,7 +576,7 @@ def main(argv=None):
         finally:
             connection.close()
         return 0
-    except (ValueError, TypeError, OSError, sqlite3.Error) as error:
+    except (ValueError, TypeError, OSError, RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
         sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}: {message}\n")
         return 1

@@ -864,7 +864,7 @@ def main(argv=None):
     try:
         result = _serve(args) if args.command == "serve" else _run(args, passed_on)
     except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError, OverflowError,
-            sqlite3.Error) as error:
+            RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
         sys.stderr.write(f"reliability.py {args.command}: {type(error).__name__}: {message}\n")
         return 1
@@ -997,13 +997,9 @@ def _run(args, passed_on):
         else:
             result = _delivered(sender, unsafe_dispatch_mark_before(sender, args.root, args.now), args.now)
             result["note"] = "UNSAFE baseline: recorded as done before anything was sent"
-        parked = [dict(zip(("caller", "key", "state", "response"), row)) for row in sender.execute(
-            "SELECT caller, key, state, response FROM outbox WHERE state IN ('unknown', 'blocked')"
-            " ORDER BY id").fetchall() if (row[0], row[1]) in due and (row[0], row[1]) != (
-            result.get("caller"), result.get("key"))]
+        parked = _parked(sender, due, result)
         if parked:  # rows a claim parked on its way: an expired external row, or one it cannot send
-            result["parked"] = [dict(row, response=json.loads(row["response"]) if row["response"] else None)
-                                for row in parked]
+            result["parked"] = parked
         if getattr(args, "crash", None) and (passed_on is None or result.get("exit_code") != CRASH_EXIT):
             result["not_reached"] = args.crash  # still alive: that boundary was never met
         return _line(result)
@@ -1033,8 +1029,28 @@ def _delivered(sender, result, now=None):
 
 
 def _in_line(sender):
-    # The rows a claim may take or park now: pending, or in flight (its lease may have ended).
-    return set(sender.execute("SELECT caller, key FROM outbox WHERE state IN ('pending', 'inflight')").fetchall())
+    # The ids of the rows a claim may take or park now: pending, or in flight (its lease may have ended).
+    return {row[0] for row in sender.execute("SELECT id FROM outbox WHERE state IN ('pending', 'inflight')")}
+
+
+def _parked(sender, due, result):
+    """The rows of ``due`` that are unknown or blocked now, but the one ``result`` is about: what
+    a claim parked on its way.  Read as bytes, as claim() reads them, so that a row another
+    program damaged is still reported (its text shown with backslash escapes where it is not UTF-8)."""
+    delivered = sender.execute("SELECT id FROM outbox WHERE caller = ? AND key = ?",
+                               (result.get("caller"), result.get("key"))).fetchone()
+    shown = lambda data: None if data is None else data.decode("utf-8", "backslashreplace")
+    parked = []
+    for number, caller, key, state, response in sender.execute(
+            "SELECT id, CAST(caller AS BLOB), CAST(key AS BLOB), state, CAST(response AS BLOB) FROM outbox"
+            " WHERE state IN ('unknown', 'blocked') ORDER BY id"):
+        if number in due and (number,) != delivered:
+            try:
+                response = json.loads(response) if response else None
+            except (ValueError, RecursionError):  # not JSON: shown as the text it is
+                response = shown(response)
+            parked.append({"caller": shown(caller), "key": shown(key), "state": state, "response": response})
+    return parked
 
 
 def _passing_on(crash):

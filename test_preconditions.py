@@ -1064,6 +1064,26 @@ class CommandLine(Case):
         self.assertEqual((code, err), (0, b""))
         self.assertEqual(json.loads(out.decode("utf-8"))["name"], "名额A")
 
+        # And init's NAME=QTY arguments typed in that locale: the resource is named as typed.
+        [(code, out, err)] = run_experiment.run_together(
+            [in_legacy(MODULE, "init", db + ".typed", "名额B=5")], env=legacy)
+        self.assertEqual((code, err), (0, b""))
+        self.assertEqual(list(json.loads(out.decode("utf-8"))["resources"]), ["名额B"])
+
+    def test_a_stored_result_nested_too_deeply_is_a_one_line_refusal_of_a_replay(self):
+        deep = "[" * 100000 + "]" * 100000  # what another program could store
+        self.x("job-1")
+        self.change("change-1", "A", 1)
+        self.sql("UPDATE receipt SET result = ?", (deep,))
+        self.release()
+        for argv in (("execute", self.db, "job-1", json.dumps(plan()), "--now", 0),
+                     ("change", self.db, "change-1", "A", 1, "--now", 0)):
+            with self.subTest(argv[0]):
+                code, out, err = cli(*argv)
+                self.assertEqual((code, out, len(err.splitlines())), (1, "", 1), err)
+                self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: RecursionError: "), err)
+        self.assertEqual(self.figures(), ({"A": (8, 3), "B": (3, 2)}, 1, 2))
+
 
 # === beyond 第七篇: the PostgreSQL edition in README.md, against a real server ===
 # The README's ```sql blocks for article 7, loaded as printed into a throw-away cluster

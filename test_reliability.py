@@ -1055,6 +1055,41 @@ class FailClosedTest(Case):
                     self.assertEqual(state(ws, key), ("blocked", value if column == "attempts" else 0))
                     self.assertIn("corrupt intent", outbox(ws, key)["response"]["error"])
 
+    def test_stored_json_nested_too_deeply_is_a_one_line_refusal_of_the_command_line(self):
+        deep = "[" * 100000 + "]" * 100000  # what another program could store
+        with workspace() as ws:
+            enqueue(ws)
+            reliability.claim(ws.sender, 0)
+            ws.close()
+            with raw(ws.path("sender")) as tamper:
+                tamper.execute("UPDATE requests SET payload = ?", (deep,))
+                tamper.execute("UPDATE outbox SET response = ?", (deep,))
+            for command in (("snapshot", ws.root), ("deliver", ws.root, "agent", "k1", "--attempt", 1, "--now", 0)):
+                with self.subTest(command[0]):
+                    code, out, err = cli(*command)
+                    self.assertEqual((code, out, len(err.splitlines())), (1, "", 1), err)
+                    self.assertTrue(err.startswith(f"reliability.py {command[0]}: RecursionError: "), err)
+            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
+
+    def test_a_row_whose_identity_is_not_text_is_parked_and_named_and_the_next_row_is_delivered(self):
+        for label, column, value in (("caller not UTF-8", "caller", "CAST(x'61ff' AS TEXT)"),
+                                     ("key as a BLOB", "key", "x'6b31'")):
+            with self.subTest(label), workspace() as ws:
+                enqueue(ws)
+                enqueue(ws, "k2")
+                ws.close()
+                with raw(ws.path("sender")) as tamper:  # both tables: the outbox row keeps its request
+                    tamper.execute(f"UPDATE requests SET {column} = {value} WHERE key = 'k1'")
+                    tamper.execute(f"UPDATE outbox SET {column} = {value} WHERE key = 'k1'")
+                code, out, err = cli("dispatch", ws.root, "--now", 0)
+                line = json.loads(out)
+                self.assertEqual((code, err, line["key"], line["status"]), (0, "", "k2", "done"))
+                shown = {"caller": "a\\xff", "key": "k1"} if column == "caller" else {"caller": "agent", "key": "k1"}
+                self.assertEqual([(row["caller"], row["key"], row["state"]) for row in line["parked"]],
+                                 [(shown["caller"], shown["key"], "blocked")])
+                self.assertIn("corrupt intent", line["parked"][0]["response"]["error"])
+                self.assertEqual(counts(ws)["tickets"], 1)
+
     def test_a_corrupt_receipt_is_answered_as_such_and_the_sender_blocks_the_row_at_once(self):
         with workspace() as ws:
             enqueue(ws)
@@ -1160,6 +1195,7 @@ class CrashBoundaryTest(Case):
     def test_a_tool_child_given_a_malformed_request_line_fails_with_one_line_and_stores_nothing(self):
         complete = {"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0, "now": 0}
         lines = {"not JSON": b"not json\n", "not UTF-8": b"\xff\n", "a list": b"[]\n",
+                 "nested 100,000 deep": b"[" * 100000 + b"]" * 100000 + b"\n",
                  **{f"without {field}": json.dumps({k: v for k, v in complete.items() if k != field}).encode() + b"\n"
                     for field in complete}}
         with workspace() as ws:
