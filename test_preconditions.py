@@ -33,6 +33,7 @@ import sqlite3
 import tempfile
 import threading
 import unittest
+from unittest import mock
 
 import preconditions as pre
 import run_experiment
@@ -333,6 +334,19 @@ class PlanShapeAndDigest(Case):
         for error, op, command in cases:
             with self.subTest(op=op, command=command), self.assertRaises(error):
                 self.x(op, command)
+
+    def test_a_lone_surrogate_in_any_text_is_refused_before_the_transaction_begins(self):
+        statements = []
+        self.c.set_trace_callback(statements.append)
+        for call in (lambda: self.x("job-\ud800"), lambda: self.change("op-\ud800", "A", 1),
+                     lambda: self.change("op-1", "A\ud800", 1), lambda: self.x("job-1", plan(dst="B\ud800"))):
+            with self.subTest(call=call), self.assertRaises(ValueError):
+                call()
+        self.c.set_trace_callback(None)
+        self.assertEqual(statements, [])  # not even BEGIN IMMEDIATE
+        with self.assertRaises(ValueError):
+            pre.init(os.path.join(self.dir, "s.db"), {"A\ud800": 1})
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "s.db")))
         self.assertFalse(self.c.in_transaction)
         self.assertEqual(self.figures(), START)
 
@@ -891,6 +905,20 @@ class FilesAndSchema(Case):
         self.assertEqual(pre.init(path, {"A": 10, "B": 0})["resources"]["A"], {"quantity": 10, "revision": 1})
         self.assertEqual(self.figures(path), START)
         self.assertEqual(cli("purge", path, "--now", 100, "--window", 50)[0], 0)
+
+    def test_the_kind_and_schema_version_commit_in_the_schemas_own_transaction(self):
+        statements, connect = [], sqlite3.connect
+
+        def traced(*args, **kwargs):  # every connection init opens, its statements recorded
+            connection = connect(*args, **kwargs)
+            connection.set_trace_callback(statements.append)
+            return connection
+        with mock.patch("sqlite3.connect", traced):
+            pre.init(os.path.join(self.dir, "traced.db"), {"A": 1})
+        marker = statements.index(f"PRAGMA application_id = {pre.APPLICATION_ID}")
+        self.assertEqual(statements[marker + 1], f"PRAGMA user_version = {pre.SCHEMA_VERSION}")
+        self.assertEqual(statements[marker + 2], "COMMIT")
+        self.assertEqual(statements[:3], ["PRAGMA journal_mode=WAL", "BEGIN IMMEDIATE", pre.SCHEMA[0]])
 
     def connect_as_nobody(self, path):
         """pre.connect(path) in a forked child, as nobody (uid/gid 65534) if we are root: 'ok' or 'Type: message'."""
@@ -1535,13 +1563,15 @@ class DriverScenarios(unittest.TestCase):
             # time; meanwhile another process imports the tests and counts what the driver registered.
             # Both run with this run's interpreter flags (-X dev, -W error), without site-packages (-S).
             commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected", "preconditions/after_commit"],
-                        ["-c", "import sys, test_preconditions, run_experiment; print(len(run_experiment.SCENARIOS),"
-                               " 'reliability' in sys.modules)"]]
+                        ["-c", "import json, sys, test_preconditions, run_experiment as r; print(len(r.SCENARIOS),"
+                               " 'reliability' in sys.modules, sorted(n for group in r.compared(json.load("
+                               "open('results.json'))).values() for n in group) == sorted(r.SCENARIOS))"]]
             (code, check, _), imported = run_experiment.run_together(
                 [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands], cwd=folder, env=env)
             self.assertEqual(code, 0, check.decode("utf-8"))
             self.assertIn(b"2/2 scenarios match results.json", check)
-            self.assertEqual(imported, (0, f"{len(ARTICLE_7) + len(MATRIX)} False\n".encode(), b""))
+            # registered, and exactly these are what a whole --check compares
+            self.assertEqual(imported, (0, f"{len(ARTICLE_7) + len(MATRIX)} False True\n".encode(), b""))
             self.assertEqual(sorted(os.listdir(folder)), ["README.md", "preconditions.py", "results.json",
                                                           "run_experiment.py", "test_preconditions.py"])
 

@@ -652,6 +652,24 @@ class DatabaseFileTest(Case):
                 reliability.connect(path)
 
 
+    def test_the_kind_and_schema_version_commit_in_the_schemas_own_transaction(self):
+        statements, connect = [], sqlite3.connect
+
+        def traced(*args, **kwargs):  # every connection init opens, its statements recorded
+            connection = connect(*args, **kwargs)
+            connection.set_trace_callback(statements.append)
+            return connection
+        with tempfile.TemporaryDirectory() as root, mock.patch("sqlite3.connect", traced):
+            reliability.init(root)
+        for kind in KINDS.values():
+            with self.subTest(kind=kind):
+                marker = statements.index(f"PRAGMA application_id = {kind}")
+                begin = max(i for i in range(marker) if statements[i] == "BEGIN IMMEDIATE")
+                commit = statements.index("COMMIT", marker)
+                self.assertEqual(statements[marker + 1], f"PRAGMA user_version = {reliability.SCHEMA_VERSION}")
+                self.assertLess(marker + 1, commit)
+                self.assertTrue(all(s.startswith(("CREATE", "INSERT")) for s in statements[begin + 1:marker]))
+
 # === 第一篇 §2: the durable outbox ===
 
 class OutboxTest(Case):
@@ -955,7 +973,9 @@ class ValidationTest(Case):
         text, number = "x" * 20000, 10 ** 4000  # one object each, written 60,000 times
         payloads = {"shared lists": {"x": shared}, "a shared string": {"a": [text] * 60000},
                     "a shared int": {"a": [number] * 60000}, "a shared long key": {"a": [{"k" * 20000: 0}] * 30000},
-                    "one long list": {"a": [0] * (MAX_PAYLOAD_BYTES // 2)}}
+                    "one long list": {"a": [0] * (MAX_PAYLOAD_BYTES // 2)},
+                    "a few long strings": {"a": ["x" * 20000] * 4}, "a few long ints": {"a": [10 ** 4000] * 30},
+                    "a few long keys": {"a": [{"k" * 20000: 0}] * 4}}
         for label, payload in payloads.items():  # counted as walked, each value's fewest bytes each time it is met
             with self.subTest(label), mock.patch.object(reliability, "_dumps", side_effect=AssertionError("encoded")):
                 with self.assertRaisesRegex(ValueError, "exceeds 65536 bytes"):
@@ -1036,7 +1056,8 @@ class FailClosedTest(Case):
             "spaces": ("both", '{"a": 1}'), "NaN": ("both", '{"a":NaN}'), "a lone surrogate": ("both", '{"a":"\\ud800"}'),
             "nested 40 deep": ("both", '{"a":' * 40 + "1" + "}" * 40), "an array": ("both", "[1]"),
             "over 64 KiB": ("both", '{"a":"' + "x" * reliability.MAX_PAYLOAD_BYTES + '"}'),
-            "attempts as text": ("attempts", "none")}
+            "attempts as text": ("attempts", "none"),
+            "not the canonical text of its own digest": ("payload", json.dumps(PAYLOAD))}
         with workspace() as ws:
             for key, (column, value) in tampering.items():
                 with self.subTest(key):
@@ -1812,6 +1833,17 @@ class ReconcileTest(Case):
                                                                  why="closed by hand")
                 result = reliability.reconcile(ws.sender, tool, "agent", "k1", 1000)
             self.assertEqual((result["status"], state(ws)), ("abandoned", ("abandoned", 1)))
+
+    def test_a_row_that_leaves_unknown_before_the_lookup_is_never_settled_by_it(self):
+        for landed in ("pending", "inflight"):  # a person's retry, or in flight again under that attempt
+            with self.subTest(landed), workspace() as ws:
+                unknown_external(ws)
+                reliability.external_create_ticket(ws.external, "agent", "k1", PAYLOAD)  # would settle it
+                with contextlib.closing(sqlite3.connect(ws.path("external"), factory=ReconcilingConnection)) as tool:
+                    tool.before_lookup = lambda: set_state(ws, landed)
+                    result = reliability.reconcile(ws.sender, tool, "agent", "k1", 1000)
+                self.assertEqual((result, state(ws)), ({"status": landed, "reason": "settled by someone else meanwhile"},
+                                                       (landed, 1)))
 
     def test_alive_counts_this_process_and_only_a_missing_pid_as_gone(self):
         self.assertTrue(reliability._alive(os.getpid()))
@@ -3039,15 +3071,17 @@ class DriverTest(unittest.TestCase):
             # meanwhile another process imports the tests and counts what the driver registered.
             only = ["--only", "idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
             commands = [["run_experiment.py", "--check", "results.json", "--output", "reproduced.json", *only],
-                        ["-c", "import sys, test_reliability, run_experiment; print(len(run_experiment.SCENARIOS),"
-                               " 'preconditions' in sys.modules)"]]
+                        ["-c", "import json, sys, test_reliability, run_experiment as r; print(len(r.SCENARIOS),"
+                               " 'preconditions' in sys.modules, sorted(n for group in r.compared(json.load("
+                               "open('results.json'))).values() for n in group) == sorted(r.SCENARIOS))"]]
             (code, check, _), imported = run_experiment.run_together(
                 [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands], cwd=directory, env=env)
             self.assertEqual(code, 0, check.decode("utf-8"))
             self.assertIn(b"4/4 scenarios match results.json", check)  # + after_claim, a matrix cell
             with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
                 self.assertEqual(set(json.load(handle)), {"article_1", "open_ends", "crash_matrix"})
-            self.assertEqual(imported, (0, b"32 False\n", b""))  # 16 + 5 + 11 cells
+            # 16 + 5 + 11 cells registered, and exactly these are what a whole --check compares
+            self.assertEqual(imported, (0, b"32 False True\n", b""))
             self.assertEqual(sorted(os.listdir(directory)), sorted(DOWNLOAD + ("reproduced.json",)))
 
 
