@@ -7,8 +7,6 @@
   python3 run_experiment.py --explain NAME   one scenario as a timeline of what each process did
   python3 run_experiment.py --json           the deterministic results on stdout
   python3 run_experiment.py --output FILE    the deterministic results written to FILE
-  python3 run_experiment.py --torture SECONDS [--seed N]
-                                             kill -9 random workers, then check every invariant
 
 Every scenario starts in a fresh temporary directory.  Crashes are real: a child
 process calls os._exit at a named boundary, and what survives is read back from
@@ -874,339 +872,6 @@ for _boundary in (preconditions.EXIT_CODES if preconditions is not None else ())
         _matrix_scenario(transfer_cell, _boundary, _kinds))
 
 
-# --- torture: kill -9 at random moments ---------------------------------------------------
-# Forked workers do random mixed work on both modules in one directory and are SIGKILLed,
-# then restarted on the operation they were doing, with the same keys.  Then every
-# invariant is checked from the databases alone.  --torture SECONDS kills at random
-# moments for that long (timing makes every run different, so none of it goes into
-# results.json); torture(operations=N) gives each worker a fixed, seeded list of N
-# operations and of the points where it SIGKILLs itself, so what ran is determined.
-TORTURE_WORKERS = 4
-TORTURE_SELF_KILL = 0.15  # torture(operations=N): the share of operations a worker dies in, by SIGKILL
-TORTURE_KILL_PAUSE = 0.1  # seconds: the killer waits uniformly up to this before each kill
-TORTURE_TICKS = 100       # logical ticks a second, so a lease (LEASE_TICKS) lasts 0.1 s
-TORTURE_GRACE = 5.0       # seconds after the deadline for workers and their tool children to end
-TORTURE_DB = "transfer.db"
-TORTURE_RESOURCES = {"A": 10 ** 9, "B": 10 ** 9, "C": 10 ** 9, "D": 10 ** 9}
-TORTURE_WORK = {"enqueue": 3, "dispatch": 5, "receive": 1, "execute_fresh": 2, "execute_stale": 1, "change": 1}
-TORTURE_SHOWN = 20        # violations printed; the summary keeps them all
-
-
-def _torture_op(seed, index, n):
-    """Operation n of a worker: the same kind and parameters however often it is redone."""
-    rng = random.Random(f"{seed}/{index}/{n}")
-    return rng.choices(list(TORTURE_WORK), list(TORTURE_WORK.values()))[0], rng
-
-
-def _torture_kill_point(seed, index, n):
-    """Where worker ``index`` SIGKILLs itself in operation ``n`` of a fixed run: None, "before"
-    (journaled, not begun) or "after" (done, not yet reported)."""
-    rng = random.Random(f"{seed}/{index}/{n}/kill")
-    return rng.choice(("before", "after")) if rng.random() < TORTURE_SELF_KILL else None
-
-
-def _torture_file(base, index, name):
-    return os.path.join(base, f"worker-{index}.{name}")
-
-
-def _torture_lines(path, repair=False):
-    """The complete JSON lines of a worker's file; a last line torn by SIGKILL is dropped."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    except FileNotFoundError:
-        return []
-    complete = data[:data.rfind(b"\n") + 1]
-    if repair and len(complete) < len(data):
-        os.truncate(path, len(complete))  # or the next line would be glued to the torn one
-    return [json.loads(line) for line in complete.splitlines()]
-
-
-def _torture_note(fd, entry):
-    # One write() per line and no fsync: SIGKILL loses nothing the kernel already has.
-    os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
-
-
-def _torture_tool(alive):
-    # Forked even under --exec: a forked tool child keeps the liveness pipe (see torture()).
-    return lambda argv: fork_start(reliability, argv, keep=(alive,))
-
-
-def _torture_worker(base, index, seed, started, deadline, alive, operations=None):
-    """One life of a worker: redo the journal's last operation with its keys (and plan), then go on.
-
-    The journal line is written before the operation, so a restart cannot tell whether it
-    finished and does it again; the protocols must make that harmless.  With
-    ``operations``, it stops after that many and SIGKILLs itself at the seeded kill points
-    (not again when it redoes an operation after such a death).
-    """
-    entries = _torture_lines(_torture_file(base, index, "journal"), repair=True)
-    _torture_lines(_torture_file(base, index, "reported"), repair=True)
-    n, plan, resuming = (entries[-1]["n"], entries[-1].get("plan"), True) if entries else (0, None, False)
-    journal, reported = (os.open(_torture_file(base, index, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                         for name in ("journal", "reported"))
-    sender = reliability.connect(os.path.join(base, reliability.SENDER))
-    transfer = preconditions.connect(os.path.join(base, TORTURE_DB))
-    caller = f"worker-{index}"
-    while resuming or (n < operations if operations is not None else time.monotonic() < deadline):
-        kind, rng = _torture_op(seed, index, n)
-        now = int((time.monotonic() - started) * TORTURE_TICKS)  # one clock for all the processes
-        kill = None if operations is None or resuming else _torture_kill_point(seed, index, n)
-        if not resuming:
-            _torture_note(journal, {"n": n, "kind": kind})
-        if kill == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "enqueue":
-            reliability.enqueue(sender, caller, f"op-{n}", {"worker": index, "op": n}, now=now)
-        elif kind == "dispatch":
-            result = reliability.dispatch(sender, base, now, start=_torture_tool(alive))
-            if result and "ticket_id" in (result["response"] or {}):  # a refusal leaves the row blocked
-                _torture_note(reported, result["response"])
-        elif kind == "receive":
-            # Often an earlier enqueue's key: a second delivery racing the outbox's own.
-            m = rng.randrange(n + 1)
-            m = m if _torture_op(seed, index, m)[0] == "enqueue" else n
-            receiver = reliability.connect(os.path.join(base, reliability.RECEIVER))
-            response = reliability.receive(receiver, caller, f"op-{m}", {"worker": index, "op": m},
-                                           issued_at=now, now=now)
-            receiver.close()  # before a dispatch forks a tool child that opens this file
-            _torture_note(reported, response)
-        elif kind == "change":
-            name, delta = rng.choice(sorted(TORTURE_RESOURCES)), rng.choice((-1, 1)) * rng.randint(1, 9)
-            op = f"{caller}/op-{n}"
-            _torture_note(reported, {"op": op, "kind": kind, "result": preconditions.change(
-                transfer, op, name, delta, issued_at=now, now=now)})
-        else:
-            if plan is None:  # journaled before it runs: a retry must send the same command
-                src, dst = rng.sample(sorted(TORTURE_RESOURCES), 2)
-                seen = dict(transfer.execute("SELECT name, revision FROM resources WHERE name IN (?, ?)",
-                                             (src, dst)).fetchall())
-                if kind == "execute_stale":  # a revision src had, or one it never reaches: never current
-                    seen[src] = seen[src] - 1 if seen[src] > 1 else preconditions.MAX_INT64
-                plan = {"src": src, "dst": dst, "amount": rng.randint(1, 99), "expected": seen}
-                _torture_note(journal, {"n": n, "kind": kind, "plan": plan})
-            op = f"{caller}/op-{n}"
-            _torture_note(reported, {"op": op, "kind": kind,
-                                     "result": preconditions.execute(transfer, op, plan, issued_at=now, now=now)})
-        if kill == "after":
-            os.kill(os.getpid(), signal.SIGKILL)
-        n, plan, resuming = n + 1, None, False
-    sender.close()  # after an exception the process just ends, as it would under SIGKILL
-    transfer.close()
-    return 0
-
-
-def _torture_spawn(base, index, seed, started, deadline, alive_read, alive_write, operations=None):
-    def worker():  # it keeps the liveness pipe's write end, and so do its tool children
-        os.close(alive_read)
-        try:
-            return _torture_worker(base, index, seed, started, deadline, alive_write, operations)
-        except BaseException as error:  # for the report; the exit code 1 says it failed
-            with open(_torture_file(base, index, "error"), "w", encoding="utf-8") as handle:
-                handle.write(f"{type(error).__name__}: {error}")
-            return 1
-    return fork(worker)
-
-
-def _torture_reap(base, index, pid, violations):
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if code not in (0, -signal.SIGKILL):
-        reason = "no error recorded"
-        if os.path.exists(_torture_file(base, index, "error")):
-            with open(_torture_file(base, index, "error"), encoding="utf-8") as handle:
-                reason = handle.read()
-        violations.append(f"worker {index} exited {code}: {reason}")
-    return code
-
-
-def torture(seconds=None, seed=None, directory=None, operations=None):
-    """SIGKILL workers at random for ``seconds``, restart them, recover, then check every invariant.
-
-    With ``operations`` instead, each worker does exactly that many seeded operations and
-    SIGKILLs itself at the seeded kill points, so the work and the kills are determined
-    by the seed; only the interleaving is not.  Returns {"seconds", "seed", "workers",
-    "sqlite", "elapsed", "operations" (by kind, each counted once however often it was
-    redone), "kills", "restarts", "final" (counts read from the databases),
-    "violations"}: one string per broken invariant, empty when all hold.  Its files live
-    in a temporary folder under ``directory``.
-    """
-    seed = random.SystemRandom().randrange(2 ** 32) if seed is None else seed
-    rng, violations, pids, kills, restarts = random.Random(seed), [], {}, 0, 0
-    base, alive_read, alive_write, began = None, None, None, time.monotonic()
-
-    def spawn(index):
-        # SIGINT waits from the fork to the bookkeeping: a Ctrl-C in between would leave a worker unreaped.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            pids[index] = _torture_spawn(base, index, seed, started, started + (seconds or 0), alive_read,
-                                         alive_write, operations)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        base = tempfile.mkdtemp(prefix="torture-", dir=directory)  # inside the try: removed whatever happens
-        alive_read, alive_write = os.pipe()
-        reliability.init(base)
-        preconditions.init(os.path.join(base, TORTURE_DB), TORTURE_RESOURCES)
-        started = time.monotonic()
-        for index in range(TORTURE_WORKERS):
-            spawn(index)
-        for index in range(TORTURE_WORKERS) if operations is not None else ():
-            while _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
-                kills, restarts = kills + 1, restarts + 1  # it died at one of its kill points
-                spawn(index)
-        while operations is None:
-            pause, index = rng.uniform(0, TORTURE_KILL_PAUSE), rng.randrange(TORTURE_WORKERS)
-            if time.monotonic() + pause >= started + seconds:
-                break
-            time.sleep(pause)
-            if index in pids:
-                os.kill(pids[index], signal.SIGKILL)
-                if _torture_reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
-                    kills, restarts = kills + 1, restarts + 1
-                    spawn(index)
-        os.close(alive_write)
-        alive_write = None
-        # Every worker and every tool child it forked holds the write end: EOF means all have ended.
-        if not select.select([alive_read], [], [], TORTURE_GRACE)[0]:
-            violations.append(f"processes still running {TORTURE_GRACE:g} s after the deadline; killed")
-            for pid in pids.values():
-                os.kill(pid, signal.SIGKILL)
-            select.select([alive_read], [], [], reliability.CHILD_TIMEOUT)
-        for index in sorted(pids):
-            _torture_reap(base, index, pids.pop(index), violations)
-        # Recovery, as after a machine restart: every lease has ended, every unfinished row is due.
-        sender = reliability.connect(os.path.join(base, reliability.SENDER))
-        try:
-            now = int((time.monotonic() - started) * TORTURE_TICKS) + reliability.LEASE_TICKS
-            while reliability.dispatch(sender, base, now, start=start_tool) is not None:
-                pass
-        finally:
-            sender.close()
-        final = _torture_check(base, violations)
-        operations = dict.fromkeys(TORTURE_WORK, 0)
-        for index in range(TORTURE_WORKERS):
-            for kind in {entry["n"]: entry["kind"] for entry in
-                         _torture_lines(_torture_file(base, index, "journal"))}.values():
-                operations[kind] += 1
-    finally:
-        for pid in pids.values():  # only after an error above: nothing may outlive the call
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        for fd in (alive_read, alive_write):
-            if fd is not None:
-                os.close(fd)
-        if base is not None:
-            shutil.rmtree(base, ignore_errors=True)
-    return {"seconds": seconds, "seed": seed, "workers": TORTURE_WORKERS, "sqlite": sqlite3.sqlite_version,
-            "elapsed": round(time.monotonic() - began, 2), "operations": operations,
-            "kills": kills, "restarts": restarts, "final": final, "violations": violations}
-
-
-def _torture_check(base, violations):
-    """Check every invariant from fresh connections, all writers gone; return the final counts."""
-    opened = {name: reliability.connect(os.path.join(base, name)) for name in reliability.KINDS}
-    opened[TORTURE_DB] = preconditions.connect(os.path.join(base, TORTURE_DB))
-    read = lambda name, sql: opened[name].execute(sql).fetchall()
-    try:
-        for name in opened:
-            health = read(name, "PRAGMA integrity_check") + read(name, "PRAGMA foreign_key_check")
-            if health != [("ok",)]:
-                violations.append(f"integrity of {name}: {health}")
-        tickets = read(reliability.RECEIVER, "SELECT id, caller, key FROM tickets")
-        receipts = read(reliability.RECEIVER, "SELECT caller, key, ticket_id FROM receipts")
-        outbox = read(reliability.SENDER, "SELECT caller, key, state, response FROM outbox")
-        requests = read(reliability.SENDER, "SELECT count(*) FROM requests")[0][0]
-        stored = {op: json.loads(result) for op, result in read(TORTURE_DB, "SELECT op, result FROM receipt")}
-        effects = read(TORTURE_DB, "SELECT op, src, dst, amount FROM effects")
-        changes = read(TORTURE_DB, "SELECT op, name, delta FROM changes")
-        resources = read(TORTURE_DB, "SELECT name, quantity, revision FROM resources ORDER BY name")
-    finally:
-        for connection in opened.values():
-            connection.close()
-    receipts, by_key = {(caller, key): ticket for caller, key, ticket in receipts}, {}
-    for ticket, caller, key in tickets:
-        by_key.setdefault((caller, key), []).append(ticket)
-    for (caller, key), ids in by_key.items():  # idempotent mode: one ticket per key, named by its receipt
-        if len(ids) > 1 or receipts.get((caller, key)) != ids[0]:
-            violations.append(f"{caller}/{key} has tickets {ids}, its receipt names "
-                              f"{receipts.get((caller, key))}")
-    states = dict.fromkeys(("pending", "inflight", "done", "unknown", "blocked", "abandoned"), 0)
-    given_up = f"no valid answer after {reliability.MAX_ATTEMPTS} attempts"
-    for caller, key, state, response in outbox:
-        states[state] += 1
-        if state == "blocked" and json.loads(response) == {"error": given_up}:
-            continue  # killed in flight MAX_ATTEMPTS times: parked for a person, as the protocol says
-        ticket = json.loads(response)["ticket_id"] if state == "done" else None
-        if ticket is None or receipts.get((caller, key)) != ticket:
-            violations.append(f"outbox {caller}/{key} ends {state} with ticket {ticket}, "
-                              f"its receipt names {receipts.get((caller, key))}")
-    if requests != len(outbox):
-        violations.append(f"{requests} requests but {len(outbox)} outbox rows")
-    ticket_keys = {ticket: (caller, key) for ticket, caller, key in tickets}
-    reported = [entry for index in range(TORTURE_WORKERS)
-                for entry in _torture_lines(_torture_file(base, index, "reported"))]
-    for entry in reported:
-        if "op" not in entry:
-            identity, ticket = (entry["caller"], entry["key"]), entry["ticket_id"]
-            if ticket_keys.get(ticket) != identity or receipts.get(identity) != ticket:
-                violations.append(f"reported {'/'.join(identity)} ticket {ticket}: that ticket is "
-                                  f"{ticket_keys.get(ticket)}, the receipt names {receipts.get(identity)}")
-            continue
-        result = entry["result"]["result"] if entry["result"]["status"] == "replayed" else entry["result"]
-        if stored.get(entry["op"]) != result:
-            violations.append(f"reported {entry['op']} {result['status']}, stored {stored.get(entry['op'])}")
-        elif entry["kind"] == "execute_stale" and result["status"] != "stale":
-            violations.append(f"stale plan {entry['op']} was {result['status']}")
-    for status, rows in (("applied", effects), ("changed", changes)):  # exactly once: one row per such receipt
-        done = {op for op, result in stored.items() if result["status"] == status}
-        for op in sorted(done ^ {row[0] for row in rows}):
-            violations.append(f"{op}: " + (f"{status} receipt, no row" if op in done else "a row, no receipt"))
-    changes = [(name, delta) for _, name, delta in changes]
-    for name, quantity, revision in resources:
-        writes = sum(name in (src, dst) for _, src, dst, _ in effects) + sum(n == name for n, _ in changes)
-        flow = sum(amount * ((dst == name) - (src == name)) for _, src, dst, amount in effects)
-        flow += sum(delta for n, delta in changes if n == name)
-        if revision != 1 + writes:
-            violations.append(f"revision of {name} is {revision}, not 1 + {writes} writes")
-        if quantity != TORTURE_RESOURCES[name] + flow:
-            violations.append(f"quantity of {name} is {quantity}, not {TORTURE_RESOURCES[name]} {flow:+d}")
-    total = sum(quantity for _, quantity, _ in resources)
-    expected = sum(TORTURE_RESOURCES.values()) + sum(delta for _, delta in changes)
-    if total != expected:
-        violations.append(f"total quantity {total} is not the initial total + sum(changes.delta) = {expected}")
-    statuses = dict.fromkeys(("applied", "stale", "insufficient", "missing_resource", "overflow", "changed"), 0)
-    for result in stored.values():
-        statuses[result["status"]] = statuses.get(result["status"], 0) + 1
-    return {"requests": requests, "outbox": states, "tickets": len(tickets), "receipts": len(receipts),
-            "reported_responses": sum("op" not in entry for entry in reported), "transfer_receipts": statuses,
-            "effects": len(effects), "changes": len(changes), "total_quantity": total,
-            "reported_outcomes": sum("op" in entry for entry in reported)}
-
-
-def print_torture(summary):
-    """A short human summary, then the verdict."""
-    ok_mark, bad_mark = marks()[:2]
-    final, violations = summary["final"], summary["violations"]
-    listed = lambda counts: ", ".join(f"{name} {count}" for name, count in counts.items() if count)
-    print(f"torture: {summary['workers']} workers, {summary['seconds']:g} s, seed {summary['seed']}, "
-          f"SQLite {summary['sqlite']}: {summary['kills']} kill -9 survived, {summary['restarts']} restarts")
-    print(f"  operations: {listed(summary['operations'])}")
-    print(f"  reliability: {final['requests']} requests, outbox {listed(final['outbox'])}; "
-          f"{final['tickets']} tickets, {final['receipts']} receipts; "
-          f"{final['reported_responses']} reported responses checked")
-    print(f"  preconditions: receipts {listed(final['transfer_receipts'])}; {final['effects']} effects, "
-          f"{final['changes']} changes, total {final['total_quantity']}; "
-          f"{final['reported_outcomes']} reported outcomes checked")
-    if not violations:
-        print(f"{ok_mark} every invariant holds ({summary['elapsed']:g} s in all)")
-        return
-    print(f"{bad_mark} {len(violations)} violation(s):")
-    for violation in violations[:TORTURE_SHOWN]:
-        print(f"    {violation}")
-    if len(violations) > TORTURE_SHOWN:
-        print(f"    ... and {len(violations) - TORTURE_SHOWN} more")
-
-
 # --- one scenario run ---------------------------------------------------------------
 
 class Run:
@@ -1387,7 +1052,7 @@ def start(module, *args, run=None):
 
 
 def start_tool(argv):
-    """The launcher reliability.call_tool uses where no scenario listens (torture, its recovery)."""
+    """The launcher reliability.call_tool uses where no scenario listens (beyond/torture.py)."""
     return start("reliability.py", *argv)
 
 
@@ -1598,7 +1263,7 @@ def fork(child):
         code = 1
         try:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # torture holds it back around a fork
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # beyond/torture.py holds it back around a fork
             random.seed()
             code = child()
         except BaseException:
@@ -2447,28 +2112,10 @@ def _main(argv):
     parser.add_argument("--explain", metavar="NAME", help="run one scenario and print its timeline")
     parser.add_argument("--exec", action="store_true",
                         help="start every child as a fresh interpreter instead of forking (slower, same results)")
-    parser.add_argument("--torture", type=float, metavar="SECONDS",
-                        help="kill -9 random workers for SECONDS, then check every invariant (never in results.json)")
-    parser.add_argument("--seed", type=int, metavar="N", help="with --torture: fixes the work and the kill times")
     args = parser.parse_args(argv)
     _usable(args)
     global USE_FORK
     USE_FORK = USE_FORK and not args.exec
-    if args.torture is None and args.seed is not None:
-        parser.error("--seed goes with --torture")
-    if args.torture is not None:
-        if any((args.check, args.output, args.json, args.list, args.only, args.explain, args.exec)):
-            parser.error("--torture runs alone (with --seed at most)")
-        if not 0 < args.torture < float("inf"):
-            parser.error("--torture needs a positive number of seconds")
-        if not hasattr(os, "fork"):
-            parser.error("--torture forks its workers: it needs os.fork (POSIX)")
-        if reliability is None or preconditions is None:
-            parser.error("--torture works both modules: it needs reliability.py and preconditions.py")
-        versions(sys.stderr)
-        report = torture(args.torture, args.seed)
-        print_torture(report)
-        return 1 if report["violations"] else 0
     names = list(SCENARIOS)
     for name in (args.only or []) + ([args.explain] if args.explain else []):
         if name not in SCENARIOS:

@@ -1,0 +1,155 @@
+"""Tests of beyond/torture.py: a short seeded kill -9 run holds every invariant, and the check
+that says so reports each invariant broken by hand.
+
+Run from the project root: ``python3 -m unittest beyond.test_torture``.
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
+
+import preconditions  # noqa: E402
+import reliability  # noqa: E402
+import run_experiment  # noqa: E402
+from beyond import torture  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torture.py")
+WATCHDOG = 60.0  # seconds: only ends a hung child, never asserted as a measurement
+# 4 workers x 40 operations: this seed kills every kind of operation, before its work and after.
+SEED, OPERATIONS = 2415, 40
+
+
+@unittest.skipUnless(hasattr(os, "fork"), "the torture forks its workers")
+class SeededRunTest(unittest.TestCase):
+    def test_a_seeded_run_does_the_seeded_work_dies_at_the_seeded_points_and_holds(self):
+        summary = torture.torture(seed=SEED, operations=OPERATIONS)
+        self.assertEqual(summary["violations"], [])
+        kinds, killed = dict.fromkeys(torture.WORK, 0), []
+        for index in range(torture.WORKERS):
+            for n in range(OPERATIONS):
+                kind, where = torture._op(SEED, index, n)[0], torture._kill_point(SEED, index, n)
+                kinds[kind] += 1
+                if where:
+                    killed.append((kind, where))
+        self.assertEqual((summary["operations"], summary["kills"]), (kinds, len(killed)))
+        # What the seed gives, every run: every kind killed, before its work and after it.
+        self.assertEqual(({kind for kind, _ in killed}, {where for _, where in killed}),
+                         (set(torture.WORK), {"before", "after"}))
+        final = summary["final"]
+        self.assertEqual(final["outbox"]["done"] + final["outbox"]["blocked"], final["requests"])
+
+
+class CheckTest(unittest.TestCase):
+    """check() reads only the databases and the workers' files: each broken invariant is a line."""
+
+    def test_an_honest_folder_has_no_violation(self):
+        with folder() as base:
+            violations = []
+            final = torture.check(base, violations)
+            self.assertEqual(violations, [])
+            self.assertEqual((final["tickets"], final["effects"], final["changes"]), (2, 1, 1))
+
+    def test_each_invariant_broken_by_hand_is_reported(self):
+        receiver, transfer = reliability.RECEIVER, torture.TRANSFER_DB
+        breaks = {
+            "a key with two tickets": (receiver, "INSERT INTO tickets (caller, key, digest, payload)"
+                                       " SELECT caller, key, digest, payload FROM tickets WHERE id = 1",
+                                       "worker-0/op-0 has tickets [1, 3], its receipt names 1"),
+            "a revision not 1 + its writes": (transfer, "UPDATE resources SET revision = revision + 1"
+                                              " WHERE name = 'A'",
+                                              "revision of A is 4, not 1 + 2 writes"),
+            "a quantity off": (transfer, "UPDATE resources SET quantity = quantity + 1 WHERE name = 'B'",
+                               f"quantity of B is {torture.RESOURCES['B'] + 4}, not "
+                               f"{torture.RESOURCES['B']} +3"),
+            "an effect without its receipt": (transfer, "DELETE FROM receipt WHERE op = 'worker-0/t'",
+                                              "worker-0/t: a row, no receipt"),
+            "a receipt for another ticket": (receiver, "UPDATE receipts SET ticket_id = 2 WHERE key = 'op-0'",
+                                             "worker-0/op-0 has tickets [1], its receipt names 2"),
+        }
+        for label, (name, sql, said) in breaks.items():
+            with self.subTest(label), folder() as base:
+                with contextlib.closing(sqlite3.connect(os.path.join(base, name))) as tamper:
+                    tamper.execute("PRAGMA foreign_keys = OFF")
+                    tamper.execute(sql)
+                    tamper.commit()
+                violations = []
+                torture.check(base, violations)
+                self.assertIn(said, violations)
+
+
+class CommandLineTest(unittest.TestCase):
+    def test_bad_usage_exits_2(self):
+        for argv in ([], ["1", "--operations", "5"], ["0"], ["nan"], ["--operations", "0"], ["--bogus"]):
+            with self.subTest(argv=argv):
+                done = subprocess.run([sys.executable, "-S", SCRIPT, *argv], capture_output=True,
+                                      timeout=WATCHDOG)
+                self.assertEqual(done.returncode, 2, done.stderr)
+
+    @unittest.skipUnless(hasattr(os, "killpg"), "the interrupt goes to a process group")
+    def test_ctrl_c_exits_130_quietly_and_leaves_nothing_behind(self):
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's children ignore it
+            self.skipTest("SIGINT is ignored in this process, so no child of it can be interrupted")
+        # A 60 s run is surely still running, workers and tool children included, when the
+        # interrupt lands right after its folder appears: the timing of the machine does not matter.
+        with tempfile.TemporaryDirectory() as directory:
+            child = subprocess.Popen([sys.executable, "-S", SCRIPT, "60"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     env=dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1"))
+            try:
+                deadline = time.monotonic() + WATCHDOG
+                while not any(name.startswith("torture-") for name in os.listdir(directory)):
+                    self.assertLess(time.monotonic(), deadline, "no torture folder")
+                    time.sleep(0.005)
+                os.killpg(child.pid, signal.SIGINT)
+                _, err = child.communicate(timeout=WATCHDOG)
+            finally:
+                if child.returncode is None:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.communicate()
+            err = err.decode("utf-8")
+            self.assertEqual(child.returncode, 130, err)
+            self.assertEqual(err.splitlines()[-1], "beyond/torture.py: interrupted")
+            self.assertNotIn("Traceback", err)
+            self.assertEqual(os.listdir(directory), [])  # its temporary folder is gone
+
+
+# --- machinery -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def folder():
+    """A torture folder as a run leaves it, made through the protocols: worker 0 enqueued op-0
+    and a dispatch delivered it (ticket 1), received op-1 directly (ticket 2), transferred 3
+    from A to B (op worker-0/t) and changed A by -1; its reported file holds those answers."""
+    with tempfile.TemporaryDirectory() as base:
+        reliability.init(base)
+        preconditions.init(os.path.join(base, torture.TRANSFER_DB), torture.RESOURCES)
+        with contextlib.closing(reliability.connect(os.path.join(base, reliability.SENDER))) as sender:
+            reliability.enqueue(sender, "worker-0", "op-0", {"worker": 0, "op": 0}, now=0)
+            delivered = reliability.dispatch(sender, base, 0, start=run_experiment.start_tool)
+        with contextlib.closing(reliability.connect(os.path.join(base, reliability.RECEIVER))) as receiver:
+            received = reliability.receive(receiver, "worker-0", "op-1", {"worker": 0, "op": 1},
+                                           issued_at=0, now=0)
+        path = os.path.join(base, torture.TRANSFER_DB)
+        with contextlib.closing(preconditions.connect(path)) as transfer:
+            plan = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
+            applied = preconditions.execute(transfer, "worker-0/t", plan, issued_at=0, now=0)
+            changed = preconditions.change(transfer, "worker-0/c", "A", -1, issued_at=0, now=0)
+        with open(torture._file(base, 0, "reported"), "w", encoding="utf-8") as reported:
+            for entry in (delivered["response"], received,
+                          {"op": "worker-0/t", "kind": "execute_fresh", "result": applied},
+                          {"op": "worker-0/c", "kind": "change", "result": changed}):
+                reported.write(json.dumps(entry) + "\n")
+        yield base
+
+
+if __name__ == "__main__":
+    unittest.main()
