@@ -1,23 +1,23 @@
 """Agent 可靠执行实战（七）：没有重复执行，为什么还是办错了？ — runnable companion.
 
-A plan {"src", "dst", "amount", "expected"} moves ``amount`` from ``src`` to ``dst``
-only while both resources still carry the revisions the planner saw (第七篇 §1).
-``execute`` decides inside one BEGIN IMMEDIATE transaction, in the article's order:
-history first (the receipt: "replayed" or "conflict", §2), then the present
-("missing_resource", "stale", "insufficient", "overflow", §3–§4), else "applied".
-Every business outcome, rejections included, is a terminal receipt (§5); malformed
-input and lock time-outs raise before anything is stored.
+A plan {"src", "dst", "amount", "expected"} moves ``amount`` from ``src`` to ``dst`` only
+while both resources still carry the revisions the planner saw (第七篇 §1).  ``execute``
+decides inside one BEGIN IMMEDIATE transaction, in the article's order: history first (the
+receipt: "replayed" or "conflict", §2), then the present ("missing_resource", "stale",
+"insufficient", "overflow", §3–§4), else "applied".  Every business outcome, rejections
+included, is a terminal receipt (§5); malformed input and lock time-outs raise before
+anything is stored.
 
-Holds for writers that go through this module on one local SQLite file in WAL mode
-with synchronous=FULL, under process crashes (§6).  Not covered: power loss beyond
-what fsync gives, dependencies the plan does not declare (§7), cross-service
-snapshots, authorisation, and backups restored over newer data.  Standard library
-only; this file runs alone.
+Holds for writers that go through this module on one local SQLite file in WAL mode with
+synchronous=FULL, under process crashes (§6).  Not covered: power loss beyond what fsync
+gives, dependencies the plan does not declare (§7), cross-service snapshots, authorisation,
+and backups restored over newer data.  Standard library only; this file runs alone.
 """
 import sys
 
-if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpreter too old
-    sys.stderr.write(f"preconditions.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
+# One clear line, not a traceback, on an interpreter too old.
+if sys.version_info < (3, 9):
+    sys.stderr.write(f"preconditions.py needs Python 3.9 or newer, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
 import contextlib
@@ -35,15 +35,21 @@ __all__ = ["execute", "history", "change", "purge", "connect", "init", "snapshot
 # 第七篇 §6: the named crash boundaries and the exit code of each.
 EXIT_CODES = {"after_source_update": 71, "before_commit": 72, "after_commit": 73}
 
-MAX_OP_LENGTH = 128          # op, in characters
-MAX_NAME_LENGTH = 64         # resource names, in characters
-MAX_AMOUNT = 10 ** 15        # below 2**53: any JSON reader, floats included, keeps it exact
-MAX_INT64 = 2 ** 63 - 1      # quantities and revisions use SQLite's whole signed 64-bit range
-MAX_TICK = 2 ** 62           # twin: logical ticks stay far inside SQLite's signed 64-bit integers
-BUSY_TIMEOUT = 10.0          # twin: seconds BEGIN IMMEDIATE waits for another writer, then "database is locked"
+# op and resource names, in characters.
+MAX_OP_LENGTH = 128
+MAX_NAME_LENGTH = 64
+# Below 2**53: any JSON reader, floats included, keeps an amount exact.
+MAX_AMOUNT = 10 ** 15
+# Quantities and revisions use SQLite's whole signed 64-bit range.
+MAX_INT64 = 2 ** 63 - 1
+# twin: logical ticks stay far inside SQLite's signed 64-bit integers.
+MAX_TICK = 2 ** 62
+# twin: seconds BEGIN IMMEDIATE waits for another writer before "database is locked".
+BUSY_TIMEOUT = 10.0
 
-APPLICATION_ID = 0x50524543  # "PREC": connect() refuses any other file
-SCHEMA_VERSION = 2           # 1: receipts in "receipts", change() without an op id
+# "PREC": connect() refuses any other file; the schema's version, in PRAGMA user_version.
+APPLICATION_ID = 0x50524543
+SCHEMA_VERSION = 2
 SCHEMA = (
     """CREATE TABLE resources (
         name TEXT PRIMARY KEY,
@@ -53,25 +59,27 @@ SCHEMA = (
     # 第七篇 §2: one terminal receipt per op, never modified once committed.
     "CREATE TABLE receipt (op TEXT PRIMARY KEY, digest TEXT NOT NULL, result TEXT NOT NULL,"
     " tick INTEGER NOT NULL) WITHOUT ROWID",
-    # At most one effect per transfer op; it outlives its receipt (purge forgets receipts, not history).
+    # At most one effect per transfer op; it outlives its receipt, since purge forgets
+    # receipts, not history.
     "CREATE TABLE effects (op TEXT PRIMARY KEY, src TEXT NOT NULL, dst TEXT NOT NULL,"
     " amount INTEGER NOT NULL) WITHOUT ROWID",
     # One row per applied change(): with the effects, the history of every revision.
     "CREATE TABLE changes (op TEXT PRIMARY KEY, name TEXT NOT NULL, delta INTEGER NOT NULL,"
     " revision INTEGER NOT NULL) WITHOUT ROWID",
-    # Beyond 第七篇: receipts older than low_water may be gone, so an op issued before it is refused.
+    # Beyond 第七篇: receipts older than low_water may be gone, so an op issued before it is
+    # refused.
     "CREATE TABLE retention (id INTEGER PRIMARY KEY CHECK (id = 1), low_water INTEGER NOT NULL)",
     "INSERT INTO retention VALUES (1, 0)",
 )
 
 
-# --- 第七篇: the protocol ------------------------------------------------------------
+# --- 第七篇: the protocol ---------------------------------------------------------------------
 
 def history(c, op, digest):
     """第七篇 §2: what the receipt of ``op`` says, or None for a new op.
 
-    The article's query, unchanged: the same command is "replayed" with the stored
-    result (history, not the present), another command under the same op is "conflict".
+    The article's query, unchanged: the same command is "replayed" with the stored result
+    (history, not the present), another command under the same op is "conflict".
     """
     old = c.execute(
         'SELECT digest,result FROM receipt WHERE op=?', (op,)
@@ -85,18 +93,18 @@ def history(c, op, digest):
 def execute(c, op, command, *, issued_at, now):
     """第七篇 §2–§6: run a version-checked transfer plan once.
 
-    In one BEGIN IMMEDIATE transaction: the receipt first (replayed / conflict), then
-    the present: missing_resource, stale (with the observed revisions), insufficient,
-    overflow, else applied (both rows updated with revision + 1, one effect row).  Each
-    of these is stored as the op's terminal receipt, in the same transaction.  Beyond
-    the article: an op issued (``issued_at``) before purge()'s low-water mark that has
-    no receipt is "expired", not decided again; so a retry must pass the tick its op
-    was decided at, not a fresh one.  Conflict and expired are not stored.
+    In one BEGIN IMMEDIATE transaction: the receipt first (replayed / conflict), then the
+    present: missing_resource, stale (with the observed revisions), insufficient, overflow,
+    else applied (both rows updated with revision + 1, one effect row).  Each is stored as the
+    op's terminal receipt, in the same transaction.  Beyond the article: an op issued
+    (``issued_at``) before purge()'s low-water mark that has no receipt is "expired", not
+    decided again, so a retry passes the tick its op was decided at.  Conflict and expired
+    are not stored.
     """
     validate(op, command)
     check_ticks(issued_at, now)
     digest = hashlib.sha256(_dumps(command).encode("utf-8")).hexdigest()
-    src, dst, amount, expected = command["src"], command["dst"], command["amount"], command["expected"]
+    src, dst, amount, expected = (command[name] for name in ("src", "dst", "amount", "expected"))
     with transaction(c):
         answer = history(c, op, digest) or _expired(c, op, issued_at)
         if answer:
@@ -120,23 +128,26 @@ def execute(c, op, command, *, issued_at, now):
             (sq, sr), (dq, dr) = rows[src], rows[dst]
             update = "UPDATE resources SET quantity = ?, revision = ? WHERE name = ?"
             c.execute(update, (sq - amount, sr + 1, src))
-            crash_point("after_source_update")  # half a transfer, inside the transaction
+            # Half a transfer, inside the transaction.
+            crash_point("after_source_update")
             c.execute(update, (dq + amount, dr + 1, dst))
             c.execute("INSERT INTO effects VALUES (?, ?, ?, ?)", (op, src, dst, amount))
             result = {"status": "applied", "revisions": {src: sr + 1, dst: dr + 1},
                       "quantities": {src: sq - amount, dst: dq + amount}}
         c.execute("INSERT INTO receipt VALUES (?, ?, ?, ?)", (op, digest, _dumps(result), now))
-        crash_point("before_commit")  # everything written, nothing committed
-    crash_point("after_commit")  # the decision is durable and nobody has been told
+        # Everything written, nothing committed.
+        crash_point("before_commit")
+    # The decision is durable, and nobody has been told.
+    crash_point("after_commit")
     return result
 
 
 def change(c, op, name, delta, *, issued_at, now):
     """第七篇 §4: the other business write: quantity + delta and revision + 1, every time.
 
-    Exactly once per op like execute(): a receipt in the same transaction, "replayed"
-    / "conflict" for the op again.  Refusals are stored too: missing_resource,
-    insufficient (the quantity would go negative), overflow.
+    Exactly once per op like execute(): a receipt in the same transaction, "replayed" /
+    "conflict" for the op again.  Refusals are stored too: missing_resource, insufficient
+    (the quantity would go negative), overflow.
     """
     _check_text(op, "op", MAX_OP_LENGTH)
     _check_text(name, "name", MAX_NAME_LENGTH)
@@ -147,7 +158,8 @@ def change(c, op, name, delta, *, issued_at, now):
         answer = history(c, op, digest) or _expired(c, op, issued_at)
         if answer:
             return answer
-        row = c.execute("SELECT quantity, revision FROM resources WHERE name = ?", (name,)).fetchone()
+        row = c.execute("SELECT quantity, revision FROM resources WHERE name = ?",
+                        (name,)).fetchone()
         if row is None:
             result = {"status": "missing_resource", "missing": [name]}
         elif row[0] + delta < 0:
@@ -156,41 +168,46 @@ def change(c, op, name, delta, *, issued_at, now):
             result = {"status": "overflow", "resource": name,
                       "column": "revision" if row[1] >= MAX_INT64 else "quantity"}
         else:
-            result = {"status": "changed", "name": name, "quantity": row[0] + delta, "revision": row[1] + 1}
+            quantity, revision = row[0] + delta, row[1] + 1
+            result = {"status": "changed", "name": name, "quantity": quantity,
+                      "revision": revision}
             c.execute("UPDATE resources SET quantity = ?, revision = ? WHERE name = ?",
-                      (row[0] + delta, row[1] + 1, name))
-            c.execute("INSERT INTO changes VALUES (?, ?, ?, ?)", (op, name, delta, row[1] + 1))
+                      (quantity, revision, name))
+            c.execute("INSERT INTO changes VALUES (?, ?, ?, ?)", (op, name, delta, revision))
         c.execute("INSERT INTO receipt VALUES (?, ?, ?, ?)", (op, digest, _dumps(result), now))
     return result
 
 
-# --- beyond 第七篇: receipts that are not kept forever ------------------------------------
+# --- beyond 第七篇: receipts that are not kept forever --------------------------------------
 # 第七篇 §5 says "本例没有实现回执清理"; this is one policy for it, and what it costs.
 
 def purge(c, now, window):
-    """Delete receipts written before ``now - window`` and raise the low-water mark to it, atomically.
+    """Delete receipts written before ``now - window`` and raise the low-water mark to it.
 
-    From then on an op issued before the mark that has no receipt is "expired" (it
-    may be a late retry of a decision already made); the mark never moves backwards.
+    Both in one transaction.  From then on an op issued before the mark that has no receipt
+    is "expired" (it may be a late retry of a decision already made); the mark never moves
+    backwards.
     """
     check_ticks(0, now)
     if type(window) is not int or not 0 < window <= MAX_TICK:
-        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK}, not {window!r}")
+        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK},"
+                         f" not {window!r}")
     mark = now - window
     if mark < 0:
         raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")
     with transaction(c):
         low_water = c.execute("SELECT low_water FROM retention").fetchone()[0]
         if mark < low_water:
-            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would move it backwards")
+            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would"
+                             " move it backwards")
         deleted = c.execute("DELETE FROM receipt WHERE tick < ?", (mark,)).rowcount
         c.execute("UPDATE retention SET low_water = ?", (mark,))
     return {"deleted": deleted, "low_water": mark}
 
 
 def _expired(c, op, issued_at):
-    # No receipt, but it may have been purged: an op issued before the mark, or one
-    # whose effect or change row survives its receipt, is a decision already made.
+    # No receipt, but it may have been purged: an op issued before the mark, or one whose
+    # effect or change row survives its receipt, is a decision already made.
     low_water, acted = c.execute("SELECT low_water, EXISTS (SELECT 1 FROM effects WHERE op = ?)"
                                  " OR EXISTS (SELECT 1 FROM changes WHERE op = ?) FROM retention",
                                  (op, op)).fetchone()
@@ -198,7 +215,7 @@ def _expired(c, op, issued_at):
         return {"status": "expired", "low_water": low_water}
 
 
-# --- helpers: files, canonical form, input checks --------------------------------------
+# --- helpers: the file, input checks ---------------------------------------------------------
 
 def connect(path):
     """Open an existing preconditions database (see _open); never creates a file."""
@@ -206,12 +223,13 @@ def connect(path):
 
 
 def init(path, resources):
-    """Create a database at ``path`` with each name: quantity at revision 1; return its snapshot.
+    """Create a database at ``path`` with each name: quantity at revision 1; its snapshot.
 
     Refuses an existing path (FileExistsError); on failure removes what it made.
     """
     if type(resources) is not dict:
-        raise TypeError(f"resources must be a dict of name: quantity, not {type(resources).__name__}")
+        raise TypeError(f"resources must be a dict of name: quantity, not"
+                        f" {type(resources).__name__}")
     if not resources:
         raise ValueError("resources must name at least one resource")
     for name, quantity in resources.items():
@@ -228,12 +246,14 @@ def init(path, resources):
 
 def snapshot(c):
     """Resources, effect and receipt counts from one consistent read."""
-    own = not c.in_transaction  # inside a caller's transaction, read within it
+    # Inside a caller's transaction, read within it.
+    own = not c.in_transaction
     if own:
         c.execute("BEGIN")
     try:
-        resources = {name: {"quantity": quantity, "revision": revision} for name, quantity, revision
-                     in c.execute("SELECT name, quantity, revision FROM resources ORDER BY name")}
+        resources = {name: {"quantity": quantity, "revision": revision}
+                     for name, quantity, revision in c.execute(
+                         "SELECT name, quantity, revision FROM resources ORDER BY name")}
         effects = c.execute("SELECT count(*) FROM effects").fetchone()[0]
         receipts = c.execute("SELECT count(*) FROM receipt").fetchone()[0]
     finally:
@@ -243,12 +263,14 @@ def snapshot(c):
 
 
 def validate(op, command):
-    """第七篇 §2: a fixed structure, two different non-empty names, bounded positive ints, no bools."""
+    """第七篇 §2: a fixed structure, two different non-empty names, bounded positive ints, no
+    bools."""
     _check_text(op, "op", MAX_OP_LENGTH)
     if type(command) is not dict:
         raise TypeError(f"command must be a dict, not {type(command).__name__}")
     if set(command) != {"src", "dst", "amount", "expected"}:
-        raise ValueError(f"command keys must be exactly amount, dst, expected, src; got {sorted(map(str, command))}")
+        raise ValueError(f"command keys must be exactly amount, dst, expected, src; got"
+                         f" {sorted(map(str, command))}")
     src, dst, expected = command["src"], command["dst"], command["expected"]
     _check_text(src, "src", MAX_NAME_LENGTH)
     _check_text(dst, "dst", MAX_NAME_LENGTH)
@@ -268,21 +290,24 @@ def _check_text(value, what, limit):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
     if not 0 < len(value) <= limit:
         raise ValueError(f"{what} must have 1 to {limit} characters")
-    value.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
+    # A lone surrogate raises UnicodeEncodeError (a ValueError) here.
+    value.encode("utf-8")
 
 
 def _check_int(value, what, low, high):
-    if type(value) is not int:  # bool and int subclasses are refused
+    # bool and int subclasses are refused.
+    if type(value) is not int:
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if not low <= value <= high:
         raise ValueError(f"{what} must be from {low} to {high}, not {value}")
 
 
-# --- twin definitions: identical in reliability.py and preconditions.py -----------------
+# --- twin definitions: identical in reliability.py and preconditions.py ---------------------
 # (test_the_twin_definitions_are_identical compares them; change both or neither)
 
 # Sorted keys, compact, UTF-8 text, no NaN or Infinity: the canonical form digests are taken of.
-_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode
 
 
 @contextmanager
@@ -303,60 +328,44 @@ def check_ticks(issued_at, now):
         if type(value) is not int or not 0 <= value <= MAX_TICK:
             raise ValueError(f"{name} must be an int tick from 0 to {MAX_TICK}, not {value!r}")
     if issued_at > now:
-        raise ValueError(f"issued_at {issued_at} is later than now {now}: ticks must not go backwards")
+        raise ValueError(f"issued_at {issued_at} is later than now {now}: ticks must not go"
+                         " backwards")
 
 
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file,
-    its -wal or -shm, or its directory), a file with a second name (each name would get
-    its own -wal), not SQLite, not ours, another schema version, or a -wal left without
-    its -shm that does not pass SQLite's quick_check: each raises naming the path, and
-    the file and its -wal are left byte for byte (SQLite may have made a -shm).
+    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file, its
+    -wal or -shm, or its directory), a file with a second name (each name would get its own
+    -wal), not SQLite, not ours, another schema version, or a -wal left without its -shm that
+    does not pass SQLite's quick_check: each raises naming the path, and the file and its -wal
+    are left byte for byte (SQLite may have made a -shm).
     """
-    real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
-    try:
-        found = os.stat(real)
-    except OSError:
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path) from None
-    if stat.S_ISDIR(found.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not stat.S_ISREG(found.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
-    if found.st_nlink > 1:
-        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
-                      " keep its own -wal and committed work could be lost", path)
-    # One stat per file decides both whether it is there and whether we may use it: another
-    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
-    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
-    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal), ("-shm", real + "-shm", shm)):
-        if seen is not None and not _read_write(seen):
-            raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
-                                  " (WAL writes -wal and -shm beside the file)", where)
-    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes -wal"
-                              " and -shm beside the file)", os.path.dirname(real))
+    real, wal, shm = _usable_file(path)
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
-        # Checked read-only first, so a refused file is left as it was: a read-only connection never
-        # checkpoints (not even another database's -wal beside it), and with no -wal to read it
-        # looks at the file alone (immutable).  A -wal left without a -shm (no process had it
-        # open) is checked whole before it is used.
+        # Looked at read-only first, so a refused file is left as it was: a read-only
+        # connection never checkpoints, and with no -wal to read it looks at the file alone
+        # (immutable).  A -wal left without a -shm (no process had it open) is checked whole.
         alone = "" if wal else "&immutable=1"
-        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
-            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
-                             ("application_id", "user_version"))
+        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True,
+                                                isolation_level=None)) as look:
+            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0]
+                             for name in ("application_id", "user_version"))
             if wal and not shm and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
-                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the file (quick_check)")
-        if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
+                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the"
+                                            " file (quick_check)")
+        # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
+        if kind == 0 and version in application_ids:
             kind, version = version, 1
         if kind not in application_ids:
             raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
         if version != SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs {SCHEMA_VERSION}")
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
+            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
+                                        f" {SCHEMA_VERSION}")
+        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None,
+                                     timeout=BUSY_TIMEOUT)
     except sqlite3.Error as error:
         raise type(error)(f"{path}: {error}; nothing was written") from None
     try:
@@ -370,6 +379,36 @@ def _open(path, application_ids):
     return connection
 
 
+def _usable_file(path):
+    """(the file's real path, stat of its -wal, stat of its -shm; None where absent) for _open,
+    or the error naming what is wrong with it."""
+    # Through a symlink: SQLite keeps -wal and -shm beside the target.
+    real = os.path.realpath(path)
+    found = _stat(real)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)",
+                                path)
+    if stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
+    if not stat.S_ISREG(found.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+    if found.st_nlink > 1:
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
+                      " name would keep its own -wal and committed work could be lost", path)
+    # One stat per file says both whether it is there and whether we may use it: another
+    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
+    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
+    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal),
+                              ("-shm", real + "-shm", shm)):
+        if seen is not None and not _read_write(seen):
+            raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
+                                  " writable (WAL writes -wal and -shm beside the file)", where)
+    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes"
+                              " -wal and -shm beside the file)", os.path.dirname(real))
+    return real, wal, shm
+
+
 def _stat(path):
     """os.stat(path), or None where nothing is there."""
     try:
@@ -379,8 +418,9 @@ def _stat(path):
 
 
 def _read_write(seen):
-    """Whether the owner, group or other bits of a stat let this process read and write the file,
-    as the kernel decides it (root may always); ACLs are not read, so a grant by one is refused."""
+    """Whether the owner, group or other bits of a stat let this process read and write the
+    file, as the kernel decides (root may always); ACLs are not read, so a grant by one is
+    refused."""
     if os.geteuid() == 0:
         return True
     if seen.st_uid == os.geteuid():
@@ -393,7 +433,7 @@ def _read_write(seen):
 
 
 def _create(path, application_id, schema, fill=None):
-    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``) in one transaction.
+    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), at once.
 
     Never overwrites: an existing file, or a journal an earlier file left, raises
     FileExistsError.  On failure the files it made are removed again.
@@ -401,7 +441,8 @@ def _create(path, application_id, schema, fill=None):
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # two inits cannot both win
+    # O_EXCL: of two inits, one wins.
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     connection = None
     try:
         connection = sqlite3.connect(path, isolation_level=None)
@@ -430,9 +471,9 @@ def _create(path, application_id, schema, fill=None):
 def wal_reset_bug(version=None):
     """True if this SQLite (default: the linked one) has the WAL-reset race.
 
-    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to
-    3.50.7 and 3.44.6), can corrupt a WAL database or lose commits when several
-    connections write and checkpoint: exactly the use these modules teach.
+    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
+    3.44.6), can corrupt a WAL database or lose commits when several connections write and
+    checkpoint: exactly the use these modules teach.
     """
     version = tuple(version or sqlite3.sqlite_version_info)
     if not (3, 7, 0) <= version < (3, 51, 3):
@@ -441,12 +482,29 @@ def wal_reset_bug(version=None):
 
 
 def _text(value):
-    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it as
-    (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale gives them."""
+    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
+    as (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale
+    gives them."""
     try:
         return os.fsencode(value).decode("utf-8")
-    except UnicodeError:  # not bytes of UTF-8 text: left as it came, and refused where it is checked
+    except UnicodeError:
+        # Not bytes of UTF-8 text: left as it came, and refused where it is checked.
         return value
+
+
+def _json_argument(text, what):
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
+def _no_repeats(pairs):
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("it repeats a key")
+    return dict(pairs)
 
 
 # --- DELIBERATELY UNSAFE baseline (第七篇 §3): never called by the protocol above ----------
@@ -454,9 +512,9 @@ def _text(value):
 def unsafe_check_then_act(c, op, command, *, pause=None):
     """UNSAFE: checks in autocommit reads, releases the lock, calls ``pause()``, then writes.
 
-    The write moves both rows relative to whatever they hold by then, WITHOUT checking
-    again, so a change between the two phases is silently built upon: the bug that
-    execute() closes.  Read-phase rejections are returned without being stored.
+    The write moves both rows relative to whatever they hold by then, WITHOUT checking again,
+    so a change between the two phases is silently built upon: the bug that execute()
+    closes.  Read-phase rejections are returned without being stored.
     """
     validate(op, command)
     digest = hashlib.sha256(_dumps(command).encode("utf-8")).hexdigest()
@@ -475,13 +533,15 @@ def unsafe_check_then_act(c, op, command, *, pause=None):
     if rows[src][0] < amount:
         return {"status": "insufficient", "available": rows[src][0]}
     with transaction(c):
-        update = "UPDATE resources SET quantity = quantity + ?, revision = revision + 1 WHERE name = ?"
+        update = ("UPDATE resources SET quantity = quantity + ?, revision = revision + 1"
+                  " WHERE name = ?")
         c.execute(update, (-amount, src))
         c.execute(update, (amount, dst))
         after = dict((name, (quantity, revision)) for name, quantity, revision in c.execute(
             "SELECT name, quantity, revision FROM resources WHERE name IN (?, ?)", (src, dst)))
         c.execute("INSERT INTO effects VALUES (?, ?, ?, ?)", (op, src, dst, amount))
-        result = {"status": "applied", "revisions": {name: after[name][1] for name in (src, dst)},
+        result = {"status": "applied",
+                  "revisions": {name: after[name][1] for name in (src, dst)},
                   "quantities": {name: after[name][0] for name in (src, dst)}}
         c.execute("INSERT INTO receipt VALUES (?, ?, ?, 0)", (op, digest, _dumps(result)))
     return result
@@ -489,64 +549,38 @@ def unsafe_check_then_act(c, op, command, *, pause=None):
 
 # --- crash boundaries (第七篇 §6) -----------------------------------------------------------
 
-CRASH_AT = None  # the boundary at which this process dies; set only by a child's CLI (--crash)
+# The boundary at which this process dies; set only by a child's CLI (--crash).
+CRASH_AT = None
 
 
 def crash_point(name):
     if name == CRASH_AT:
-        os.write(2, f"preconditions.py: died at {name} (exit {EXIT_CODES[name]})\n".encode())  # unbuffered
-        os._exit(EXIT_CODES[name])  # no finally, no flush, no COMMIT: a real process death
+        # Unbuffered: said, then gone; no finally, no flush, no COMMIT, a real process death.
+        os.write(2, f"preconditions.py: died at {name} (exit {EXIT_CODES[name]})\n".encode())
+        os._exit(EXIT_CODES[name])
 
 
-# --- command line: the experiment's child processes, and a reader stepping by hand ----------------
+# --- command line: the experiment's child processes, and a reader stepping by hand ----------
 
 def main(argv=None):
     """preconditions.py COMMAND DB ...: one line of compact sorted-key JSON on stdout, whose
-    "status" says what happened (after READY where --wait or the unsafe baseline waits for
-    GO on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or failed (one line on
-    stderr), 2 bad usage; at --crash BOUNDARY the process says so on stderr and exits
-    71, 72 or 73 (EXIT_CODES).
+    "status" says what happened (after READY where --wait or the unsafe baseline waits for GO
+    on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or failed (one line on stderr), 2
+    bad usage; at --crash BOUNDARY the process says so on stderr and exits 71, 72 or 73
+    (EXIT_CODES).
     """
     global CRASH_AT
-    import argparse
-    parser = argparse.ArgumentParser(prog="preconditions.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
-
-    def command(name, text, *positionals, ticks=True):
-        p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("db", metavar="DB", help="the database file")
-        for argument, helptext, *options in positionals:
-            p.add_argument(argument, help=helptext, **(options[0] if options else {}))
-        if ticks:
-            p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick it happens at")
-            p.add_argument("--issued-at", type=int, metavar="T0", help="the tick the op was decided at (default T);"
-                           " a retry must pass the original one, or after purge it could be decided again")
-        return p
-    op = ("op", "the operation ID, stable for one decision")
-    plan = ("command", 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N, "expected": {NAME: REVISION, ...}}',
-            {"metavar": "COMMAND_JSON"})
-    command("init", "create a database with each resource at revision 1",
-            ("resources", "a resource and its quantity", {"nargs": "+", "metavar": "NAME=QTY"}), ticks=False)
-    p = command("execute", "run a version-checked plan once (第七篇 §2-§6)", op, plan)
-    p.add_argument("--crash", choices=EXIT_CODES, metavar="BOUNDARY", help="die at that boundary with its exit code: "
-                   + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items()))
-    p.add_argument("--wait", action="store_true", help="print READY, then wait for GO on stdin before the transaction")
-    command("change", "quantity + DELTA and revision + 1, once per op (第七篇 §4)", op,
-            ("name", "the resource"), ("delta", "the change of its quantity", {"type": int}))
-    p = command("purge", "delete receipts older than T - W and raise the low-water mark", ticks=False)
-    p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick")  # no op: no --issued-at
-    p.add_argument("--window", type=int, required=True, metavar="W", help="ticks of receipts to keep")
-    command("snapshot", "print the resources, and how many effects and receipts there are", ticks=False)
-    command("unsafe-check-then-act", "UNSAFE baseline: check, READY/GO, then write without checking again", op,
-            plan, ticks=False)
+    parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    for name in ("op", "command", "name"):  # text, not paths: read as typed
+    # Text, not paths: read as typed.
+    for name in ("op", "command", "name"):
         if isinstance(getattr(args, name, None), str):
             setattr(args, name, _text(getattr(args, name)))
     if args.subcommand == "init":
         args.resources = [_text(item) for item in args.resources]
     CRASH_AT = getattr(args, "crash", None)
-    issued_at = getattr(args, "now", None) if getattr(args, "issued_at", None) is None else args.issued_at
+    issued_at = getattr(args, "issued_at", None)
+    issued_at = getattr(args, "now", None) if issued_at is None else issued_at
     try:
         if args.subcommand == "init":
             resources = {}
@@ -562,7 +596,8 @@ def main(argv=None):
             if args.subcommand == "snapshot":
                 _emit(snapshot(connection))
             elif args.subcommand == "change":
-                _emit(change(connection, args.op, args.name, args.delta, issued_at=issued_at, now=args.now))
+                _emit(change(connection, args.op, args.name, args.delta, issued_at=issued_at,
+                             now=args.now))
             elif args.subcommand == "purge":
                 _emit(dict(purge(connection, args.now, args.window), status="purged"))
             else:
@@ -578,13 +613,59 @@ def main(argv=None):
         return 0
     except (ValueError, TypeError, OSError, RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
-        sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}: {message}\n")
+        sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}:"
+                         f" {message}\n")
         return 1
+
+
+def _parser():
+    import argparse
+    parser = argparse.ArgumentParser(prog="preconditions.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+
+    def command(name, text, *positionals, ticks=True):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("db", metavar="DB", help="the database file")
+        for argument, helptext, *options in positionals:
+            p.add_argument(argument, help=helptext, **(options[0] if options else {}))
+        if ticks:
+            p.add_argument("--now", type=int, required=True, metavar="T",
+                           help="the logical tick it happens at")
+            p.add_argument("--issued-at", type=int, metavar="T0",
+                           help="the tick the op was decided at (default T); a retry must pass"
+                           " the original one, or after purge it could be decided again")
+        return p
+    op = ("op", "the operation ID, stable for one decision")
+    plan = ("command", 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N, "expected":'
+            ' {NAME: REVISION, ...}}', {"metavar": "COMMAND_JSON"})
+    command("init", "create a database with each resource at revision 1",
+            ("resources", "a resource and its quantity", {"nargs": "+", "metavar": "NAME=QTY"}),
+            ticks=False)
+    p = command("execute", "run a version-checked plan once (第七篇 §2-§6)", op, plan)
+    p.add_argument("--crash", choices=EXIT_CODES, metavar="BOUNDARY",
+                   help="die at that boundary with its exit code: "
+                   + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items()))
+    p.add_argument("--wait", action="store_true",
+                   help="print READY, then wait for GO on stdin before the transaction")
+    command("change", "quantity + DELTA and revision + 1, once per op (第七篇 §4)", op,
+            ("name", "the resource"), ("delta", "the change of its quantity", {"type": int}))
+    # purge decides about no op: it has --now but no --issued-at.
+    p = command("purge", "delete receipts older than T - W and raise the low-water mark",
+                ticks=False)
+    p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick")
+    p.add_argument("--window", type=int, required=True, metavar="W",
+                   help="ticks of receipts to keep")
+    command("snapshot", "print the resources, and how many effects and receipts there are",
+            ticks=False)
+    command("unsafe-check-then-act", "UNSAFE baseline: check, READY/GO, then write without"
+            " checking again", op, plan, ticks=False)
+    return parser
 
 
 def _emit(value):
     # UTF-8 bytes whatever the locale: the parent decodes exactly what was meant.
-    sys.stdout.buffer.write((value if isinstance(value, str) else _dumps(value)).encode("utf-8") + b"\n")
+    text = value if isinstance(value, str) else _dumps(value)
+    sys.stdout.buffer.write(text.encode("utf-8") + b"\n")
     sys.stdout.buffer.flush()
 
 
@@ -594,21 +675,6 @@ def _wait_for_go():
     line = sys.stdin.buffer.readline().decode("utf-8").strip()
     if line != "GO":
         raise ValueError(f"expected GO on stdin, got {line!r}")
-
-
-def _json_argument(text, what):
-    try:
-        return json.loads(text, object_pairs_hook=_no_repeats)
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-    except ValueError as error:
-        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
-
-
-def _no_repeats(pairs):
-    if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("it repeats a key")
-    return dict(pairs)
 
 
 if __name__ == "__main__":

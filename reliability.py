@@ -1,21 +1,21 @@
 """Agent 可靠执行实战（一）：工具干完了，回执丢了怎么办？ — runnable companion.
 
-A durable outbox on the sender (第一篇 §2), an idempotent receiver whose receipt
-commits in the same BEGIN IMMEDIATE transaction as its ticket (§3), real processes
-that die at named boundaries (§4), atomic claims with attempt numbers and logical-tick
-leases (§5), and an honest ``unknown`` for a tool that offers no idempotency (§6).
+A durable outbox on the sender (第一篇 §2), an idempotent receiver whose receipt commits in
+the same BEGIN IMMEDIATE transaction as its ticket (§3), real processes that die at named
+boundaries (§4), atomic claims with attempt numbers and logical-tick leases (§5), and an
+honest ``unknown`` for a tool that offers no idempotency (§6).
 
-Three SQLite files in one folder never share a transaction: ``sender.db`` (intents
-and their outbox rows), ``receiver.db`` (synthetic tickets and their receipts) and
-``external.db`` (a synthetic tool that keeps no receipts).  Every file runs in WAL
-mode with synchronous=FULL.  The guarantees hold under process crashes on one
-machine whose storage honours fsync; see README.md for what is not proven.
-Standard library only; this file runs alone.
+Three SQLite files in one folder never share a transaction: ``sender.db`` (intents and their
+outbox rows), ``receiver.db`` (synthetic tickets and their receipts) and ``external.db`` (a
+synthetic tool that keeps no receipts).  Every file runs in WAL mode with synchronous=FULL.
+The guarantees hold under process crashes on one machine whose storage honours fsync; see
+README.md for what is not proven.  Standard library only; this file runs alone.
 """
 import sys
 
-if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpreter too old
-    sys.stderr.write(f"reliability.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
+# One clear line, not a traceback, on an interpreter too old.
+if sys.version_info < (3, 9):
+    sys.stderr.write(f"reliability.py needs Python 3.9 or newer, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
 import contextlib
@@ -27,40 +27,57 @@ import sqlite3
 import stat
 from contextlib import contextmanager
 
-__all__ = ["enqueue", "transaction", "receive", "dispatch", "deliver", "call_tool", "claim", "acknowledge",
-           "external_create_ticket", "lookup_external", "reconcile", "resolve", "purge",
-           "connect", "init", "snapshot", "wal_reset_bug", "Conflict", "Expired", "CorruptRecord"]
+__all__ = ["enqueue", "transaction", "receive", "dispatch", "deliver", "call_tool", "claim",
+           "acknowledge", "external_create_ticket", "lookup_external", "reconcile", "resolve",
+           "purge", "connect", "init", "snapshot", "wal_reset_bug", "Conflict", "Expired",
+           "CorruptRecord"]
 
-LEASE_TICKS = 10             # 第一篇 §5: a claim at tick t may be taken over at tick t + 10
-MAX_ATTEMPTS = 10            # an idempotent row unanswered this often since the last person's decision is blocked
-MAX_IDENTITY_LENGTH = 200    # caller and request key, in characters
-MAX_PAYLOAD_BYTES = 65536    # canonical UTF-8 form
-MAX_PAYLOAD_DEPTH = 32       # nested objects and arrays, far inside any JSON parser's recursion limit
-CHILD_TIMEOUT = 15.0         # seconds a tool child may take before it is killed
-MODES = ("idempotent", "external")  # which tool an intent is for: the receiver, or one without receipts (§6)
-MAX_TICK = 2 ** 62           # twin: logical ticks stay far inside SQLite's signed 64-bit integers
-BUSY_TIMEOUT = 10.0          # twin: seconds BEGIN IMMEDIATE waits for another writer, then "database is locked"
+# 第一篇 §5: a claim at tick t may be taken over at tick t + 10.
+LEASE_TICKS = 10
+# An idempotent row unanswered this often since a person last decided on it is blocked.
+MAX_ATTEMPTS = 10
+# Caller and request key, in characters.
+MAX_IDENTITY_LENGTH = 200
+# The payload in canonical UTF-8 form, and how deep its objects and arrays may nest: far
+# inside any JSON parser's recursion limit.
+MAX_PAYLOAD_BYTES = 65536
+MAX_PAYLOAD_DEPTH = 32
+# Seconds a tool child may take before it is killed.
+CHILD_TIMEOUT = 15.0
+# Which tool an intent is for: the receiver, or one that keeps no receipts (§6).
+MODES = ("idempotent", "external")
+# twin: logical ticks stay far inside SQLite's signed 64-bit integers.
+MAX_TICK = 2 ** 62
+# twin: seconds BEGIN IMMEDIATE waits for another writer before "database is locked".
+BUSY_TIMEOUT = 10.0
 
 # 第一篇 §4: the named crash boundaries, in the order a request meets them, and the process
 # that owns each.  At the one its CLI names, a process calls os._exit(CRASH_EXIT).
 CRASH_EXIT = 73
 BOUNDARIES = {
-    "before_intent_commit": "enqueue",        # intent and outbox row written, no COMMIT
-    "after_intent_commit": "enqueue",         # committed, the caller never heard "accepted"
-    "after_claim": "dispatch",                # claim committed, the tool not called
-    "before_receiver_commit": "receiver",     # ticket and receipt written, no COMMIT
-    "after_receiver_commit": "receiver",      # committed, nothing replied
-    "after_response_write": "receiver",       # the full reply flushed to the pipe
-    "after_response_before_ack": "dispatch",  # reply read, not yet recorded
-    "after_ack": "dispatch",                  # done committed
-    "before_external_effect": "external",     # the external tool is about to write
-    "after_external_effect": "external",      # written, nothing replied
-    "after_mark_before_send": "unsafe-dispatch-mark-before",  # UNSAFE baseline: done, nothing sent
+    # Intent and outbox row written, no COMMIT; then committed, the caller never told.
+    "before_intent_commit": "enqueue",
+    "after_intent_commit": "enqueue",
+    # The claim committed, the tool not called.
+    "after_claim": "dispatch",
+    # Ticket and receipt written, no COMMIT; committed, nothing replied; the reply flushed.
+    "before_receiver_commit": "receiver",
+    "after_receiver_commit": "receiver",
+    "after_response_write": "receiver",
+    # The reply read, not yet recorded; done committed.
+    "after_response_before_ack": "dispatch",
+    "after_ack": "dispatch",
+    # The external tool about to write; written, nothing replied.
+    "before_external_effect": "external",
+    "after_external_effect": "external",
+    # The UNSAFE baseline: done recorded, nothing sent.
+    "after_mark_before_send": "unsafe-dispatch-mark-before",
 }
 
 SENDER, RECEIVER, EXTERNAL = "sender.db", "receiver.db", "external.db"
-KINDS = {SENDER: 7301, RECEIVER: 7302, EXTERNAL: 7303}  # PRAGMA application_id of each kind of file
-SCHEMA_VERSION = 2  # PRAGMA user_version; 1: the kind in user_version, and earlier columns
+# PRAGMA application_id of each kind of file, and PRAGMA user_version of this schema.
+KINDS = {SENDER: 7301, RECEIVER: 7302, EXTERNAL: 7303}
+SCHEMA_VERSION = 2
 SCHEMAS = {
     SENDER: (
         """CREATE TABLE requests (
@@ -68,17 +85,20 @@ SCHEMAS = {
             mode TEXT NOT NULL CHECK (mode IN ('idempotent', 'external')),
             digest TEXT NOT NULL, payload TEXT NOT NULL, issued_at INTEGER NOT NULL,
             PRIMARY KEY (caller, key)) WITHOUT ROWID""",
+        # owner_pid and tool_pid: who may still act for the current attempt (reconcile).
         """CREATE TABLE outbox (
             id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
-            state TEXT NOT NULL
-                CHECK (state IN ('pending', 'inflight', 'done', 'unknown', 'blocked', 'abandoned')),
+            state TEXT NOT NULL CHECK (state IN
+                ('pending', 'inflight', 'done', 'unknown', 'blocked', 'abandoned')),
             attempts INTEGER NOT NULL DEFAULT 0, lease_until INTEGER, response TEXT,
-            owner_pid INTEGER, tool_pid INTEGER,  -- who may still act for the current attempt
-            UNIQUE (caller, key), FOREIGN KEY (caller, key) REFERENCES requests (caller, key))""",
+            owner_pid INTEGER, tool_pid INTEGER,
+            UNIQUE (caller, key),
+            FOREIGN KEY (caller, key) REFERENCES requests (caller, key))""",
         "CREATE INDEX outbox_due ON outbox (state, lease_until)",
         # A person's decisions on unknown or blocked rows: an audit trail never rewritten.
         """CREATE TABLE resolutions (
-            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL, attempt INTEGER NOT NULL,
+            id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
             decision TEXT NOT NULL CHECK (decision IN ('done', 'retry', 'abandon')),
             decided_by TEXT NOT NULL, reason TEXT NOT NULL, evidence TEXT,
             FOREIGN KEY (caller, key) REFERENCES requests (caller, key))""",
@@ -93,21 +113,24 @@ SCHEMAS = {
         " BEGIN SELECT RAISE(ABORT, 'a recorded decision is never rewritten'); END",
     ),
     RECEIVER: (
-        "CREATE TABLE tickets (id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,"
-        " digest TEXT NOT NULL, payload TEXT NOT NULL)",
-        # 第一篇 §3: the request ID, the digest of its canonical parameters, and the result.
+        "CREATE TABLE tickets (id INTEGER PRIMARY KEY, caller TEXT NOT NULL,"
+        " key TEXT NOT NULL, digest TEXT NOT NULL, payload TEXT NOT NULL)",
+        # 第一篇 §3: the request ID, the digest of its canonical parameters, and the result a
+        # replay returns (its ticket); tick is when it was written, for purge().
         """CREATE TABLE receipts (
             caller TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
-            ticket_id INTEGER NOT NULL REFERENCES tickets (id),  -- the result a replay returns
-            tick INTEGER NOT NULL,  -- when it was written, for purge()
+            ticket_id INTEGER NOT NULL REFERENCES tickets (id),
+            tick INTEGER NOT NULL,
             PRIMARY KEY (caller, key)) WITHOUT ROWID""",
-        # Beyond 第一篇: receipts older than low_water may be gone; a request issued before it is refused.
-        "CREATE TABLE retention (id INTEGER PRIMARY KEY CHECK (id = 1), low_water INTEGER NOT NULL)",
+        # Beyond 第一篇: receipts older than low_water may be gone, so a request issued
+        # before it is refused.
+        "CREATE TABLE retention (id INTEGER PRIMARY KEY CHECK (id = 1),"
+        " low_water INTEGER NOT NULL)",
         "INSERT INTO retention VALUES (1, 0)",
     ),
     EXTERNAL: (
-        "CREATE TABLE tickets (id INTEGER PRIMARY KEY, caller TEXT NOT NULL, key TEXT NOT NULL,"
-        " digest TEXT NOT NULL, payload TEXT NOT NULL)",
+        "CREATE TABLE tickets (id INTEGER PRIMARY KEY, caller TEXT NOT NULL,"
+        " key TEXT NOT NULL, digest TEXT NOT NULL, payload TEXT NOT NULL)",
         # The tool's own search by reference, the way a ticketing API can be queried.
         "CREATE INDEX tickets_by_reference ON tickets (caller, key)",
     ),
@@ -126,14 +149,14 @@ class CorruptRecord(Exception):
     """A stored record cannot be trusted; nothing new was done on its strength."""
 
 
-# --- 第一篇 §2: the intent is written first ---------------------------------------------
+# --- 第一篇 §2: the intent is written first -------------------------------------------------
 
 def enqueue(connection, caller, key, payload, *, now, mode="idempotent"):
-    """第一篇 §2: persist the intent and its outbox row in one transaction, once per (caller, key).
+    """第一篇 §2: persist the intent and its outbox row in one transaction, once per key.
 
-    "accepted", or "duplicate" for the same intent again (nothing added); the same key
-    with another payload or mode raises Conflict.  ``now`` is the intent's issue tick,
-    which every delivery carries to the receiver.
+    "accepted", or "duplicate" for the same intent again (nothing added); the same key with
+    another payload or mode raises Conflict.  ``now`` is the intent's issue tick, which every
+    delivery carries to the receiver.
     """
     check_identity(caller, key)
     text, digest = canonical(payload)
@@ -145,16 +168,21 @@ def enqueue(connection, caller, key, payload, *, now, mode="idempotent"):
                                  (caller, key)).fetchone()
         if old:
             if old != (mode, digest):
-                raise Conflict(f"key {key!r} of caller {caller!r} was enqueued with another intent")
+                raise Conflict(f"key {key!r} of caller {caller!r} was enqueued with another"
+                               " intent")
             return "duplicate"
-        connection.execute("INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?)", (caller, key, mode, digest, text, now))
-        connection.execute("INSERT INTO outbox (caller, key, state) VALUES (?, ?, 'pending')", (caller, key))
-        crash_point("before_intent_commit")  # neither row survives: the caller must resubmit
-    crash_point("after_intent_commit")  # both rows survive, the caller never heard "accepted"
+        connection.execute("INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?)",
+                           (caller, key, mode, digest, text, now))
+        connection.execute("INSERT INTO outbox (caller, key, state) VALUES (?, ?, 'pending')",
+                           (caller, key))
+        # Neither row survives: the caller must resubmit.
+        crash_point("before_intent_commit")
+    # Both rows survive, and the caller never heard "accepted".
+    crash_point("after_intent_commit")
     return "accepted"
 
 
-# --- 第一篇 §3: the receipt and the ticket in one transaction -----------------------------
+# --- 第一篇 §3: the receipt and the ticket in one transaction -------------------------------
 
 # twin: identical in preconditions.py.  The article's wrapper, line for line.
 @contextmanager
@@ -170,130 +198,150 @@ def transaction(connection):
 
 
 def receive(connection, caller, key, payload, *, issued_at, now):
-    """第一篇 §3: create one ticket per (caller, key), however often the request arrives.
-
-    The receipt check, the ticket and the receipt share one BEGIN IMMEDIATE transaction:
-    a replay returns the identical response, rebuilt from the receipt and checked against
-    its ticket; another payload under the key raises Conflict.  Beyond the article: after
-    purge(), a request issued before the low-water mark without a receipt raises Expired.
-    """
+    """第一篇 §3: one ticket per (caller, key), however often the request arrives: the receipt
+    check, the ticket and its receipt share one BEGIN IMMEDIATE transaction (see _replayed)."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     check_ticks(issued_at, now)
     with transaction(connection):
-        old = connection.execute(  # stored text is read as bytes: what another program wrote cannot raise here
-            "SELECT CAST(r.digest AS BLOB), r.ticket_id, t.caller IS r.caller AND t.key IS r.key"
-            " AND t.digest IS r.digest, CAST(t.payload AS BLOB) FROM receipts r LEFT JOIN tickets t"
-            " ON t.id = r.ticket_id WHERE r.caller = ? AND r.key = ?", (caller, key)).fetchone()
-        if old:
-            if old[0] != digest.encode():
-                raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
-            if not old[2] or old[3] != text.encode():  # the ticket holds this very payload
-                raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its ticket")
-            return {"caller": caller, "key": key, "digest": digest, "ticket_id": old[1]}
-        low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
-        if issued_at < low_water:
-            raise Expired(f"{caller!r}/{key!r} was issued at tick {issued_at}, before the low-water mark "
-                          f"{low_water}: it may be a late replay of a purged receipt, so it is refused")
-        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
-                                    (caller, key, digest, text)).lastrowid
-        connection.execute("INSERT INTO receipts VALUES (?, ?, ?, ?, ?)", (caller, key, digest, ticket, now))
-        crash_point("before_receiver_commit")  # ticket and receipt exist only inside this transaction
-    crash_point("after_receiver_commit")  # committed, and nobody has been told
+        ticket = _replayed(connection, caller, key, text, digest, issued_at)
+        if ticket is not None:
+            return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload)"
+                                    " VALUES (?, ?, ?, ?)", (caller, key, digest, text)).lastrowid
+        connection.execute("INSERT INTO receipts VALUES (?, ?, ?, ?, ?)",
+                           (caller, key, digest, ticket, now))
+        crash_point("before_receiver_commit")
+    crash_point("after_receiver_commit")
     return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
 
 
-# --- 第一篇 §4: delivery by a real child process ------------------------------------------
+def _replayed(connection, caller, key, text, digest, issued_at):
+    """The ticket the receipt of (caller, key) names, or None; Conflict for another payload,
+    CorruptRecord where receipt and ticket disagree, Expired where purge() may have taken it.
+    SQLite compares what is stored: no stored text is decoded here."""
+    low_water, ticket, intact, same, holds = connection.execute(
+        "SELECT w.low_water, r.ticket_id, t.caller IS r.caller AND t.key IS r.key AND t.digest"
+        " IS r.digest, r.digest IS ?, t.payload IS ? FROM retention w LEFT JOIN receipts r"
+        " ON r.caller = ? AND r.key = ? LEFT JOIN tickets t ON t.id = r.ticket_id",
+        (digest, text, caller, key)).fetchone()
+    if ticket is None and issued_at < low_water:
+        raise Expired(f"{caller!r}/{key!r} was issued at tick {issued_at}, before the low-water"
+                      f" mark {low_water}: it may be a late replay of a purged receipt, so it is"
+                      " refused")
+    if ticket is not None and intact and not same:
+        raise Conflict(f"key {key!r} of caller {caller!r} was used for a different payload")
+    if ticket is not None and not (intact and holds):
+        raise CorruptRecord(f"receipt {caller!r}/{key!r} disagrees with its ticket")
+    return ticket
+
+
+# --- 第一篇 §4: delivery by a real child process --------------------------------------------
 
 def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
-    """第一篇 §4: claim one due row (§5), call its tool in a child process, record what can be proven.
+    """第一篇 §4: claim one due row (§5), call its tool in a child, record what can be proven.
 
-    No database lock is held while the child runs.  Returns deliver()'s summary, or
-    None when nothing is due.
+    No database lock is held while the child runs.  Returns deliver()'s summary, or None when
+    nothing is due.
     """
     row = claim(connection, now)
     if row is None:
         return None
-    crash_point("after_claim")  # claimed and leased, nothing sent
+    # Claimed and leased, nothing sent.
+    crash_point("after_claim")
     return deliver(connection, root, row, start=start, timeout=timeout)
 
 
 def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
-    """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record the outcome under it.
+    """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record what it said.
 
-    A valid response is acknowledged, even if the child exits non-zero afterwards
-    (§4).  Without one, an idempotent row stays in flight until its lease ends, and an
-    external row becomes unknown, never retried automatically (§6).  An external call
-    is sent at most once per attempt, only while the row is still in flight under it,
-    its tool's pid recorded first; an idempotent call is sent anyway, since the receipt
-    makes a late call harmless (the attempt number guards only the acknowledgement, §5).
+    A valid response is acknowledged, even if the child exits non-zero afterwards (§4).
+    Without one, an idempotent row stays in flight until its lease ends, and an external row
+    becomes unknown, never retried automatically (§6).  An external call is sent at most once
+    per attempt, only while the row is still in flight under it, its tool's pid recorded
+    first; an idempotent call is sent anyway, since the receipt makes a late call harmless
+    (the attempt number guards only the acknowledgement, §5).
     """
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
 
-    def record_tool(pid):  # committed before the request leaves, for reconcile(); a second
-        with transaction(connection):  # delivery of the same attempt finds a tool recorded and sends nothing
-            return connection.execute("UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
-                                      " AND state = 'inflight' AND attempts = ? AND tool_pid IS NULL",
-                                      (pid, caller, key, attempt)).rowcount == 1
+    def record_tool(pid):
+        # Committed before the request leaves, for reconcile(); a second delivery of the same
+        # attempt finds a tool recorded and sends nothing.
+        with transaction(connection):
+            return connection.execute(
+                "UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
+                " AND state = 'inflight' AND attempts = ? AND tool_pid IS NULL",
+                (pid, caller, key, attempt)).rowcount == 1
     _DELIVERING.add((caller, key, attempt))
     try:
+        external = row["mode"] == "external"
         response, exit_code = call_tool(root, row, start=start, timeout=timeout,
-                                        on_start=record_tool if row["mode"] == "external" else None)
+                                        on_start=record_tool if external else None)
     finally:
         _DELIVERING.discard((caller, key, attempt))
     result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
               "response": None, "acknowledged": False}
     if exit_code == "refused":
-        return dict(result, exit_code=None,
-                    refused="not in flight under this attempt, or already sent under it: nothing was sent")
-    crash_point("after_response_before_ack")  # the reply is here, not yet recorded
+        return dict(result, exit_code=None, refused="not in flight under this attempt, or"
+                    " already sent under it: nothing was sent")
+    # The reply is here, not yet recorded.
+    crash_point("after_response_before_ack")
     if isinstance(response, dict) and response.get("error") in ("conflict", "expired", "corrupt"):
         # The receiver refused for good: a person, or a new key, decides what follows.
         _end_attempt(connection, caller, key, attempt, "blocked", response)
         return dict(result, response=response)
     try:
-        result["acknowledged"] = response is not None and acknowledge(connection, caller, key, attempt, response)
+        result["acknowledged"] = response is not None and acknowledge(
+            connection, caller, key, attempt, response)
         result["response"] = response
-    except ValueError:  # not an answer to this request
+    except ValueError:
+        # Not an answer to this request.
         response = None
     if response is None and row["mode"] == "external":
-        _end_attempt(connection, caller, key, attempt, "unknown")  # it may or may not have acted
+        # It may or may not have acted.
+        _end_attempt(connection, caller, key, attempt, "unknown")
     if result["acknowledged"]:
-        crash_point("after_ack")  # done is durable
+        # Done is durable.
+        crash_point("after_ack")
     return result
 
 
 def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
-    """第一篇 §4: run the row's tool in a child; return (its first reply line as JSON or None, exit code).
+    """第一篇 §4: run the row's tool in a child; (its first reply line as JSON or None, exit code).
 
-    Request and reply cross the pipes as UTF-8 bytes whatever the locale.
-    ``start(argv)`` launches ``reliability.py argv...`` with piped stdin and stdout
-    (default: start_child); ``on_start(pid)`` runs before the request is sent, and if
-    it returns False the child is killed unasked (exit code "refused").  A child that
-    outlives ``timeout`` is killed and reaped (exit code None).
+    Request and reply cross the pipes as UTF-8 bytes whatever the locale.  ``start(argv)``
+    launches ``reliability.py argv...`` with piped stdin and stdout (default: start_child);
+    ``on_start(pid)`` runs before the request is sent, and if it returns False the child is
+    killed unasked (exit code "refused").  A child that outlives ``timeout`` is killed and
+    reaped (exit code None).
     """
-    import subprocess  # only senders spawn; tool children start faster without it
+    # Only senders spawn: tool children start faster without subprocess.
+    import subprocess
     tool = "external" if row["mode"] == "external" else "receive"
-    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],  # first: if it
-                      "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"  # fails, no child
-    child = (start or start_child)(["serve", tool, os.path.join(root, EXTERNAL if tool == "external" else RECEIVER)])
+    # The request is made first: if it cannot be, no child is started.
+    request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
+                      "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"
+    database = os.path.join(root, EXTERNAL if tool == "external" else RECEIVER)
+    child = (start or start_child)(["serve", tool, database])
     outcome = "refused"
     try:
         if on_start is None or on_start(child.pid):
-            outcome = None  # a child killed at the time-out has no exit code to report
+            # A child killed at the time-out has no exit code to report.
+            outcome = None
             output, _ = child.communicate(request, timeout=timeout)
             outcome = "answered"
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if outcome != "answered":  # refused, timed out or interrupted: never left running
+        # Refused, timed out or interrupted: never left running.
+        if outcome != "answered":
             child.kill()
             child.communicate()
     if outcome != "answered":
         return None, outcome
     try:
         return json.loads(output.split(b"\n", 1)[0].decode("utf-8")), child.returncode
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, child.returncode
 
 
@@ -304,114 +352,133 @@ def start_child(argv):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-# --- 第一篇 §5: atomic claims with attempt numbers -------------------------------------------
+# --- 第一篇 §5: atomic claims with attempt numbers ------------------------------------------
 
 def claim(connection, now):
-    """第一篇 §5: atomically take the oldest due row: attempt + 1, leased until ``now + LEASE_TICKS``.
-
-    Due: issued by ``now``, pending or in flight past its lease; of racing claimers one wins
-    a row.  An expired external row becomes unknown (§6); one unanswered MAX_ATTEMPTS times
-    since a person last decided, or not as enqueue() stores it, is blocked with its reason.
-    """
+    """第一篇 §5: atomically take the oldest due row (issued by ``now``, pending or in flight
+    past its lease): attempt + 1, leased to now + LEASE_TICKS; of racing claimers one wins.
+    On its way an expired external row becomes unknown (§6), and one unanswered MAX_ATTEMPTS
+    times, or not as enqueue() stores it, is blocked with its reason."""
     check_ticks(0, now)
     with transaction(connection):
         while True:
-            row = connection.execute(  # stored text as bytes: a row another program wrote cannot raise here
-                "SELECT o.id, o.state, o.attempts, r.mode, r.issued_at, o.attempts - coalesce("
-                "(SELECT max(attempt) FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0),"
-                " typeof(o.caller) || typeof(o.key) || typeof(r.payload) || typeof(r.digest) || typeof(o.attempts)"
-                " || typeof(r.issued_at) = 'texttexttexttextintegerinteger', CAST(o.caller AS BLOB),"
-                " CAST(o.key AS BLOB), CAST(r.digest AS BLOB), CAST(r.payload AS BLOB)"
-                " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
-                " WHERE (o.state = 'pending' OR (o.state = 'inflight' AND o.lease_until <= ?))"
-                " AND r.issued_at <= ? ORDER BY o.id LIMIT 1", (now, now)).fetchone()
+            row = _oldest_due(connection, now)
             if row is None:
                 return None
-            number, state, attempts, mode, issued_at, used, intact = row[:7]
-            try:  # what enqueue() stores: text, and a canonical payload with its digest
-                caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
-                intact = intact and canonical(json.loads(text)) == (text, digest)
-            except (ValueError, TypeError, RecursionError):  # not UTF-8, not JSON, not a payload
-                intact = False
-            if state == "inflight" and mode == "external":  # the attempt may have reached the tool: never again
+            number, state, attempts, used, intent = row
+            # An external attempt may have reached its tool: never sent again.
+            if state == "inflight" and intent["mode"] == "external":
                 parked = "unknown", None
-            elif used >= MAX_ATTEMPTS or not intact:  # parked for a person, never sent
-                parked = "blocked", _dumps({"error": f"no valid answer after {used} attempts" if used >= MAX_ATTEMPTS
-                                            else "corrupt intent: not the text, payload and digest enqueue() stores"})
-            else:  # the owner's pid: reconcile() takes absence as proof only once it is gone
-                connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?, lease_until = ?,"
-                                   " owner_pid = ?, tool_pid = NULL WHERE id = ?",
+            elif used >= MAX_ATTEMPTS or intent["payload"] is None:
+                why = f"no valid answer after {used} attempts" if used >= MAX_ATTEMPTS else \
+                    "corrupt intent: not the text, payload and digest enqueue() stores"
+                parked = "blocked", _dumps({"error": why})
+            else:
+                # The owner's pid: reconcile() takes absence as proof only once it is gone.
+                connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?,"
+                                   " lease_until = ?, owner_pid = ?, tool_pid = NULL WHERE id = ?",
                                    (attempts + 1, now + LEASE_TICKS, os.getpid(), number))
-                return {"caller": caller, "key": key, "attempt": attempts + 1, "mode": mode, "digest": digest,
-                        "payload": json.loads(text), "issued_at": issued_at, "now": now}
-            connection.execute("UPDATE outbox SET state = ?, response = coalesce(?, response) WHERE id = ?",
-                               (*parked, number))
+                return dict(intent, attempt=attempts + 1, now=now)
+            connection.execute("UPDATE outbox SET state = ?, response = coalesce(?, response)"
+                               " WHERE id = ?", (*parked, number))
+
+
+def _oldest_due(connection, now):
+    """(id, state, attempts, attempts since a person last decided, intent) of the oldest due
+    row, or None; the intent's payload is None where the row is not what enqueue() stores.
+    Stored text is read as bytes: what another program wrote cannot raise here."""
+    row = connection.execute(
+        "SELECT o.id, o.state, o.attempts, o.attempts - coalesce((SELECT max(attempt)"
+        " FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0), r.mode,"
+        " r.issued_at, (typeof(o.caller), typeof(o.key), typeof(r.digest), typeof(r.payload),"
+        " typeof(o.attempts), typeof(r.issued_at)) = ('text', 'text', 'text', 'text', 'integer',"
+        " 'integer'), CAST(o.caller AS BLOB), CAST(o.key AS BLOB), CAST(r.digest AS BLOB),"
+        " CAST(r.payload AS BLOB) FROM outbox o JOIN requests r ON r.caller = o.caller"
+        " AND r.key = o.key WHERE (o.state = 'pending' OR o.state = 'inflight'"
+        " AND o.lease_until <= ?) AND r.issued_at <= ? ORDER BY o.id LIMIT 1",
+        (now, now)).fetchone()
+    if row is None:
+        return None
+    intent = {"caller": None, "key": None, "mode": row[4], "digest": None, "payload": None,
+              "issued_at": row[5]}
+    try:
+        caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
+        payload = json.loads(text)
+        if row[6] and canonical(payload) == (text, digest):
+            intent.update(caller=caller, key=key, digest=digest, payload=payload)
+    except (ValueError, TypeError, RecursionError):
+        pass
+    return row[0], row[1], row[2], row[3], intent
 
 
 def acknowledge(connection, caller, key, attempt, response):
-    """第一篇 §5: record a validated response as done, only for the attempt that still holds the row.
-
-    False (nothing changed) otherwise; ValueError for a response that does not answer the request.
-    """
+    """第一篇 §5: record a validated response as done, only for the attempt holding the row:
+    True (again if asked again), or False for any other attempt; ValueError for a response
+    that does not answer the request."""
     with transaction(connection):
         digest = connection.execute("SELECT digest FROM requests WHERE caller = ? AND key = ?",
                                     (caller, key)).fetchone()
         if digest is None:
             raise ValueError(f"no request {caller!r}/{key!r}")
         check_response(response, caller, key, digest[0])
-        return connection.execute("UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
-                                  " AND state = 'inflight' AND attempts = ?",
-                                  (_dumps(response), caller, key, attempt)).rowcount == 1
+        return connection.execute(
+            "UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
+            " AND attempts = ? AND (state = 'inflight' OR state = 'done' AND response IS ?)",
+            (_dumps(response), caller, key, attempt, _dumps(response))).rowcount == 1
 
 
 def check_response(response, caller, key, digest):
-    """第一篇 §4: a response answers a request only with its caller, key, digest and a positive int ticket id."""
+    """第一篇 §4: a response answers a request only with its caller, key, digest and a positive
+    int ticket id."""
     if type(response) is not dict or set(response) != {"caller", "key", "digest", "ticket_id"}:
-        raise ValueError("a response is a JSON object with exactly caller, key, digest and ticket_id")
+        raise ValueError("a response is a JSON object with exactly caller, key, digest and"
+                         " ticket_id")
     if (response["caller"], response["key"], response["digest"]) != (caller, key, digest):
-        raise ValueError(f"response answers a different request: this one is {caller!r}/{key!r}, digest {digest}")
+        raise ValueError(f"response answers a different request: this one is {caller!r}/{key!r},"
+                         f" digest {digest}")
     if type(response["ticket_id"]) is not int or response["ticket_id"] < 1:
         raise ValueError("response ticket_id must be a positive int")
 
 
-# --- 第一篇 §6: a tool that keeps no receipts ------------------------------------------------
+# --- 第一篇 §6: a tool that keeps no receipts -----------------------------------------------
 
 def external_create_ticket(connection, caller, key, payload):
-    """第一篇 §6: the synthetic external tool: a new ticket on every call, no receipt, no idempotency."""
+    """第一篇 §6: the synthetic external tool: a new ticket on every call, no receipt."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     crash_point("before_external_effect")
     with transaction(connection):
-        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
-                                    (caller, key, digest, text)).lastrowid
+        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload)"
+                                    " VALUES (?, ?, ?, ?)", (caller, key, digest, text)).lastrowid
     crash_point("after_external_effect")
     return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
 
 
-# --- beyond 第一篇: leaving unknown, receipts not kept forever, fair queueing ------------------
+# --- beyond 第一篇: leaving unknown, and receipts that are not kept forever -----------------
 
 def lookup_external(connection, caller, key):
     """The external tool's own search by reference: its tickets for (caller, key), oldest first."""
-    return [{"caller": caller, "key": key, "digest": digest, "ticket_id": ticket} for ticket, digest in
-            connection.execute("SELECT id, digest FROM tickets WHERE caller = ? AND key = ? ORDER BY id",
-                               (caller, key))]
+    return [{"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
+            for ticket, digest in connection.execute(
+                "SELECT id, digest FROM tickets WHERE caller = ? AND key = ? ORDER BY id",
+                (caller, key))]
 
 
 def reconcile(connection, tool, caller, key, now):
     """Settle an unknown row from the tool's records (``tool``: an open external.db connection).
 
-    One matching ticket makes the row done with it.  No ticket sends the row back to
-    pending only once the unanswered attempt can no longer act: its lease has ended,
-    and the processes that held it (sender and tool child, same machine) are gone; this
-    process counts as gone unless it is delivering that attempt itself.  Anything less
-    certain leaves it unknown.  Returns a dict whose "status" is the row's state.
+    One matching ticket makes the row done with it.  No ticket sends the row back to pending
+    only once the unanswered attempt can no longer act: its lease has ended, and the processes
+    that held it (sender and tool child, same machine) are gone; this process counts as gone
+    unless it is delivering that attempt itself.  Anything less certain leaves it unknown.
+    Returns a dict whose "status" is the row's state.
     """
     check_identity(caller, key)
     check_ticks(0, now)
     row = connection.execute(
-        "SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.tool_pid, r.digest FROM outbox o"
-        " JOIN requests r ON r.caller = o.caller AND r.key = o.key WHERE o.caller = ? AND o.key = ?",
-        (caller, key)).fetchone()
+        "SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.tool_pid, r.digest"
+        " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key"
+        " WHERE o.caller = ? AND o.key = ?", (caller, key)).fetchone()
     if row is None:
         raise ValueError(f"no request {caller!r}/{key!r}")
     state, attempt, lease_until, owner_pid, tool_pid, digest = row
@@ -419,29 +486,28 @@ def reconcile(connection, tool, caller, key, now):
         return {"status": state, "reason": "not unknown: nothing to reconcile"}
     # Decided before the lookup: once nobody can act, an absent ticket stays absent.
     others = [pid for pid in (owner_pid, tool_pid) if pid and pid != os.getpid()]
-    can_act = now < (lease_until or 0) or (caller, key, attempt) in _DELIVERING or any(map(_alive, others))
+    can_act = (now < (lease_until or 0) or (caller, key, attempt) in _DELIVERING
+               or any(map(_alive, others)))
     found = lookup_external(tool, caller, key)
     if len(found) == 1 and found[0]["digest"] == digest:
-        if _settle(connection, "UPDATE outbox SET state = 'done', response = ? WHERE caller = ? AND key = ?"
-                   " AND state = 'unknown' AND attempts = ?", (_dumps(found[0]), caller, key, attempt)):
-            return {"status": "done", "response": found[0]}
-        return _now_in(connection, caller, key)
+        return _settle(connection, caller, key, attempt, "done", _dumps(found[0]),
+                       {"status": "done", "response": found[0]})
     if found:
-        return {"status": "unknown", "reason": f"the tool holds {len(found)} ticket(s) that do not settle it"}
+        return {"status": "unknown",
+                "reason": f"the tool holds {len(found)} ticket(s) that do not settle it"}
     if can_act:
-        return {"status": "unknown", "reason": "no ticket yet, but the unanswered attempt may still act"}
-    if _settle(connection, "UPDATE outbox SET state = 'pending', owner_pid = NULL, tool_pid = NULL"
-               " WHERE caller = ? AND key = ? AND state = 'unknown' AND attempts = ?", (caller, key, attempt)):
-        return {"status": "pending", "reason": "proven absent: retry under the same key"}
-    return _now_in(connection, caller, key)
+        return {"status": "unknown",
+                "reason": "no ticket yet, but the unanswered attempt may still act"}
+    return _settle(connection, caller, key, attempt, "pending", None,
+                   {"status": "pending", "reason": "proven absent: retry under the same key"})
 
 
 def resolve(connection, caller, key, decision, *, by, why, evidence=None):
     """Record a person's decision on an unknown or blocked row, with its audit row, atomically.
 
-    ``decision``: "done" (``evidence`` must be the tool's response for this request),
-    "retry" (back to pending under the same key, with MAX_ATTEMPTS attempts again) or
-    "abandon".  The audit row is never rewritten.
+    ``decision``: "done" (``evidence`` must be the tool's response for this request), "retry"
+    (back to pending under the same key, with MAX_ATTEMPTS attempts again) or "abandon".  The
+    audit row is never rewritten.
     """
     check_identity(caller, key)
     if decision not in ("done", "retry", "abandon"):
@@ -454,48 +520,94 @@ def resolve(connection, caller, key, decision, *, by, why, evidence=None):
     with transaction(connection):
         row = connection.execute(
             "SELECT o.state, o.attempts, r.digest FROM outbox o JOIN requests r"
-            " ON r.caller = o.caller AND r.key = o.key WHERE o.caller = ? AND o.key = ?", (caller, key)).fetchone()
+            " ON r.caller = o.caller AND r.key = o.key WHERE o.caller = ? AND o.key = ?",
+            (caller, key)).fetchone()
         if row is None:
             raise ValueError(f"no request {caller!r}/{key!r}")
         state, attempt, digest = row
         if state not in ("unknown", "blocked"):
-            raise ValueError(f"only an unknown or blocked row is resolved by hand; this one is {state}")
+            raise ValueError(f"only an unknown or blocked row is resolved by hand; this one is"
+                             f" {state}")
         if evidence is not None:
             check_response(evidence, caller, key, digest)
-        evidence = _dumps(evidence) if evidence is not None else None
+            evidence = _dumps(evidence)
         new_state = {"done": "done", "retry": "pending", "abandon": "abandoned"}[decision]
-        connection.execute("UPDATE outbox SET state = ?, response = ?, owner_pid = NULL, tool_pid = NULL"
-                           " WHERE caller = ? AND key = ?", (new_state, evidence, caller, key))
+        connection.execute("UPDATE outbox SET state = ?, response = ?, owner_pid = NULL,"
+                           " tool_pid = NULL WHERE caller = ? AND key = ?",
+                           (new_state, evidence, caller, key))
         # The attempt it was decided at: claim() counts MAX_ATTEMPTS from here.
         audit = connection.execute(
-            "INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason, evidence)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)", (caller, key, attempt, decision, by, why, evidence)).lastrowid
+            "INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason,"
+            " evidence) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (caller, key, attempt, decision, by, why, evidence)).lastrowid
     return {"status": new_state, "resolution": audit}
 
 
 def purge(connection, now, window):
-    """Delete receipts written before ``now - window`` and raise the low-water mark to it, atomically.
+    """Delete receipts written before ``now - window`` and raise the low-water mark to it.
 
-    From then on receive() refuses, as Expired, a request issued before the mark that
-    finds no receipt; the mark never moves backwards.
+    Both in one transaction.  From then on receive() refuses, as Expired, a request issued
+    before the mark that finds no receipt; the mark never moves backwards.
     """
     check_ticks(0, now)
     if type(window) is not int or not 0 < window <= MAX_TICK:
-        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK}, not {window!r}")
+        raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK},"
+                         f" not {window!r}")
     mark = now - window
     if mark < 0:
         raise ValueError(f"now - window = {mark}: nothing is old enough to purge yet")
     with transaction(connection):
         low_water = connection.execute("SELECT low_water FROM retention").fetchone()[0]
         if mark < low_water:
-            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would move it backwards")
+            raise ValueError(f"the low-water mark is {low_water}; now - window = {mark} would"
+                             " move it backwards")
         deleted = connection.execute("DELETE FROM receipts WHERE tick < ?", (mark,)).rowcount
         connection.execute("UPDATE retention SET low_water = ?", (mark,))
     return {"deleted": deleted, "low_water": mark}
 
 
+# (caller, key, attempt) this process is delivering right now: reconcile() knows its own.
+_DELIVERING = set()
 
-# --- helpers: files, canonical form, input checks -------------------------------------------
+
+def _end_attempt(connection, caller, key, attempt, state, response=None):
+    """The attempt's owner gives it up as ``state``: its tool child is reaped, so nobody can act
+    for it any more (the pids reconcile() would wait for are cleared)."""
+    with transaction(connection):
+        connection.execute(
+            "UPDATE outbox SET state = ?, response = coalesce(?, response), owner_pid = NULL,"
+            " tool_pid = NULL WHERE caller = ? AND key = ? AND state = 'inflight'"
+            " AND attempts = ?",
+            (state, None if response is None else _dumps(response), caller, key, attempt))
+
+
+def _settle(connection, caller, key, attempt, state, response, answer):
+    """reconcile()'s decision, made only while the row is still unknown under ``attempt``: a
+    person (resolve) or another reconciler may have settled it meanwhile, and then this changes
+    nothing and says what the row is now."""
+    with transaction(connection):
+        if connection.execute(
+                "UPDATE outbox SET state = ?, response = ?, owner_pid = NULL, tool_pid = NULL"
+                " WHERE caller = ? AND key = ? AND state = 'unknown' AND attempts = ?",
+                (state, response, caller, key, attempt)).rowcount == 1:
+            return answer
+        now_in = connection.execute("SELECT state FROM outbox WHERE caller = ? AND key = ?",
+                                    (caller, key)).fetchone()[0]
+    return {"status": now_in, "reason": "settled by someone else meanwhile"}
+
+
+def _alive(pid):
+    try:
+        # A reused pid counts as alive: the safe mistake.
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- helpers: the files, the canonical form, input checks -----------------------------------
 
 def connect(path):
     """Open an existing sender.db, receiver.db or external.db (see _open); never creates a file."""
@@ -522,14 +634,15 @@ def init(root):
 
 
 def snapshot(connection):
-    """What one of our databases holds, read in one transaction: for observers, tests and a reader.
+    """What one of our databases holds, read in one transaction: for observers, tests, a reader.
 
     sender.db: the number of intents, the outbox rows with their request's digest (what
     resolve()'s evidence must carry) and the response recorded, and the audit rows;
-    receiver.db: the number of tickets, the receipts and the low-water mark; external.db:
-    its tickets, each in the form of the tool's response.  Meant for small databases.
+    receiver.db: the number of tickets, the receipts and the low-water mark; external.db: its
+    tickets, each in the form of the tool's response.  Meant for small databases.
     """
-    own = not connection.in_transaction  # inside a caller's transaction, read within it
+    # Inside a caller's transaction, read within it.
+    own = not connection.in_transaction
     if own:
         connection.execute("BEGIN")
     try:
@@ -537,19 +650,25 @@ def snapshot(connection):
         one = lambda sql: connection.execute(sql).fetchone()[0]
         kind = one("PRAGMA application_id")
         if kind == KINDS[SENDER]:
-            outbox = rows("SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until, r.digest, o.response"
-                          " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key ORDER BY o.id",
-                          "caller", "key", "mode", "state", "attempts", "lease_until", "digest", "response")
-            audit = rows("SELECT caller, key, attempt, decision, decided_by, reason, evidence FROM resolutions"
-                         " ORDER BY id", "caller", "key", "attempt", "decision", "decided_by", "reason", "evidence")
-            for row in outbox + audit:  # stored as JSON text
+            outbox = rows("SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until,"
+                          " r.digest, o.response FROM outbox o JOIN requests r"
+                          " ON r.caller = o.caller AND r.key = o.key ORDER BY o.id", "caller",
+                          "key", "mode", "state", "attempts", "lease_until", "digest", "response")
+            audit = rows("SELECT caller, key, attempt, decision, decided_by, reason, evidence"
+                         " FROM resolutions ORDER BY id", "caller", "key", "attempt", "decision",
+                         "decided_by", "reason", "evidence")
+            # Both stored as JSON text.
+            for row in outbox + audit:
                 field = "response" if "response" in row else "evidence"
                 row[field] = json.loads(row[field]) if row[field] else None
-            return {"intent_rows": one("SELECT count(*) FROM requests"), "outbox": outbox, "resolutions": audit}
+            return {"intent_rows": one("SELECT count(*) FROM requests"), "outbox": outbox,
+                    "resolutions": audit}
         if kind == KINDS[RECEIVER]:
-            return {"tickets": one("SELECT count(*) FROM tickets"), "low_water": one("SELECT low_water FROM retention"),
-                    "receipts": rows("SELECT caller, key, digest, ticket_id, tick FROM receipts ORDER BY tick, ticket_id",
-                                     "caller", "key", "digest", "ticket_id", "tick")}
+            return {"tickets": one("SELECT count(*) FROM tickets"),
+                    "low_water": one("SELECT low_water FROM retention"),
+                    "receipts": rows("SELECT caller, key, digest, ticket_id, tick FROM receipts"
+                                     " ORDER BY tick, ticket_id", "caller", "key", "digest",
+                                     "ticket_id", "tick")}
         return {"tickets": rows("SELECT caller, key, digest, id FROM tickets ORDER BY id",
                                 "caller", "key", "digest", "ticket_id")}
     finally:
@@ -558,30 +677,41 @@ def snapshot(connection):
 
 
 def canonical(payload):
-    """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.
-
-    Only exact JSON types (dict with str keys, list, str, int, float, bool, None; no NaN),
-    at most MAX_PAYLOAD_DEPTH deep and MAX_PAYLOAD_BYTES long, else it raises before any transaction.
-    """
+    """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.  Exact
+    JSON types only, at most MAX_PAYLOAD_DEPTH deep and MAX_PAYLOAD_BYTES long, or it raises;
+    each value is charged its fewest bytes wherever it appears, so sharing hides no size."""
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
-    level, inner, depth, least = [payload], [], 1, 0
-    while level:  # a level at a time, without recursion, counting the fewest bytes each value takes
-        for value in level:  # exact types: json writes a key 1 as "1", a tuple or a subclass in its own way
-            kind = type(value)
-            if kind not in (dict, list, str, int, float, bool, type(None)) or kind is float and value - value != 0 \
-                    or kind is dict and not all(type(name) is str for name in value):  # NaN - NaN is NaN
-                raise TypeError(f"payload is not exact JSON: a {kind.__name__} that is NaN, has a key not str or is no JSON type")
-            least += 1 + (len(value) + 1 if kind is str else value.bit_length() // 5 if kind is int else 0)  # quotes, digits
-            least += 3 * len(value) + sum(map(len, value)) if kind is dict else len(value) if kind is list else 0  # , : keys
-            if least > MAX_PAYLOAD_BYTES or depth == MAX_PAYLOAD_DEPTH and kind in (dict, list) and value:
-                raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds {MAX_PAYLOAD_BYTES} bytes")
-            inner += value.values() if kind is dict else value if kind is list else ()  # only once counted
-        level, inner, depth = inner, [], depth + 1
-    data = _dumps(payload).encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here
+    level, depth, budget = [payload], 1, MAX_PAYLOAD_BYTES
+    while level:
+        budget -= sum(map(_least_bytes, level))
+        level = [inner for value in level if type(value) in (dict, list)
+                 for inner in (value.values() if type(value) is dict else value)]
+        if budget < 0 or level and depth == MAX_PAYLOAD_DEPTH:
+            raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds"
+                             f" {MAX_PAYLOAD_BYTES} bytes")
+        depth += 1
+    # A lone surrogate raises UnicodeEncodeError (a ValueError) here.
+    data = _dumps(payload).encode("utf-8")
     if len(data) > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload exceeds {MAX_PAYLOAD_BYTES} bytes in canonical form")
     return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
+
+
+def _least_bytes(value):
+    """The fewest bytes a value takes in canonical form, what it holds aside; TypeError for
+    anything but an exact JSON type, NaN and infinities included."""
+    kind = type(value)
+    if kind is dict and all(type(name) is str for name in value):
+        return 1 + sum(len(name) + 3 for name in value)
+    if kind in (str, list):
+        return len(value) + (2 if kind is str else 1)
+    if kind is int:
+        return 1 + value.bit_length() // 5
+    if kind in (bool, type(None)) or kind is float and value - value == 0:
+        return 1
+    raise TypeError(f"payload is not exact JSON: a {kind.__name__} that is NaN, has a key not"
+                    " str or is no JSON type")
 
 
 def check_identity(caller, key):
@@ -591,49 +721,15 @@ def check_identity(caller, key):
             raise TypeError(f"{name} must be a str, not {type(value).__name__}")
         if not 0 < len(value) <= MAX_IDENTITY_LENGTH:
             raise ValueError(f"{name} must have 1 to {MAX_IDENTITY_LENGTH} characters")
-        value.encode("utf-8")  # a lone surrogate raises here, before any transaction
+        value.encode("utf-8")
 
 
-_DELIVERING = set()  # (caller, key, attempt) this process is delivering right now: reconcile() knows its own
-
-
-def _end_attempt(connection, caller, key, attempt, state, response=None):
-    """The attempt's owner gives it up as ``state``: its tool child is reaped, so nobody
-    can act for it any more (the pids reconcile() would wait for are cleared)."""
-    with transaction(connection):
-        connection.execute(
-            "UPDATE outbox SET state = ?, response = coalesce(?, response), owner_pid = NULL, tool_pid = NULL"
-            " WHERE caller = ? AND key = ? AND state = 'inflight' AND attempts = ?",
-            (state, None if response is None else _dumps(response), caller, key, attempt))
-
-
-def _settle(connection, update, parameters):
-    # Guarded by state and attempt: a person (resolve) or another reconciler may have
-    # settled the row meanwhile, and then this changes nothing.
-    with transaction(connection):
-        return connection.execute(update, parameters).rowcount == 1
-
-
-def _now_in(connection, caller, key):
-    state = connection.execute("SELECT state FROM outbox WHERE caller = ? AND key = ?", (caller, key)).fetchone()[0]
-    return {"status": state, "reason": "settled by someone else meanwhile"}
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)  # a reused pid counts as alive: the safe mistake
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# --- twin definitions: identical in reliability.py and preconditions.py -----------------
+# --- twin definitions: identical in reliability.py and preconditions.py ---------------------
 # (test_the_twin_definitions_are_identical compares them; change both or neither)
 
 # Sorted keys, compact, UTF-8 text, no NaN or Infinity: the canonical form digests are taken of.
-_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_dumps = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode
 
 
 def check_ticks(issued_at, now):
@@ -642,60 +738,44 @@ def check_ticks(issued_at, now):
         if type(value) is not int or not 0 <= value <= MAX_TICK:
             raise ValueError(f"{name} must be an int tick from 0 to {MAX_TICK}, not {value!r}")
     if issued_at > now:
-        raise ValueError(f"issued_at {issued_at} is later than now {now}: ticks must not go backwards")
+        raise ValueError(f"issued_at {issued_at} is later than now {now}: ticks must not go"
+                         " backwards")
 
 
 def _open(path, application_ids):
     """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
 
-    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file,
-    its -wal or -shm, or its directory), a file with a second name (each name would get
-    its own -wal), not SQLite, not ours, another schema version, or a -wal left without
-    its -shm that does not pass SQLite's quick_check: each raises naming the path, and
-    the file and its -wal are left byte for byte (SQLite may have made a -shm).
+    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file, its
+    -wal or -shm, or its directory), a file with a second name (each name would get its own
+    -wal), not SQLite, not ours, another schema version, or a -wal left without its -shm that
+    does not pass SQLite's quick_check: each raises naming the path, and the file and its -wal
+    are left byte for byte (SQLite may have made a -shm).
     """
-    real = os.path.realpath(path)  # through a symlink SQLite keeps -wal and -shm beside the target
-    try:
-        found = os.stat(real)
-    except OSError:
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)", path) from None
-    if stat.S_ISDIR(found.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not stat.S_ISREG(found.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
-    if found.st_nlink > 1:
-        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each name would"
-                      " keep its own -wal and committed work could be lost", path)
-    # One stat per file decides both whether it is there and whether we may use it: another
-    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
-    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
-    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal), ("-shm", real + "-shm", shm)):
-        if seen is not None and not _read_write(seen):
-            raise PermissionError(errno.EACCES, f"the database {what} is not readable and writable"
-                                  " (WAL writes -wal and -shm beside the file)", where)
-    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes -wal"
-                              " and -shm beside the file)", os.path.dirname(real))
+    real, wal, shm = _usable_file(path)
     # "file://" and an empty authority, so that a path starting with // stays a path.
     uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
     try:
-        # Checked read-only first, so a refused file is left as it was: a read-only connection never
-        # checkpoints (not even another database's -wal beside it), and with no -wal to read it
-        # looks at the file alone (immutable).  A -wal left without a -shm (no process had it
-        # open) is checked whole before it is used.
+        # Looked at read-only first, so a refused file is left as it was: a read-only
+        # connection never checkpoints, and with no -wal to read it looks at the file alone
+        # (immutable).  A -wal left without a -shm (no process had it open) is checked whole.
         alone = "" if wal else "&immutable=1"
-        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True, isolation_level=None)) as look:
-            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0] for name in
-                             ("application_id", "user_version"))
+        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True,
+                                                isolation_level=None)) as look:
+            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0]
+                             for name in ("application_id", "user_version"))
             if wal and not shm and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
-                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the file (quick_check)")
-        if kind == 0 and version in application_ids:  # schema 1 kept the kind in user_version
+                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the"
+                                            " file (quick_check)")
+        # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
+        if kind == 0 and version in application_ids:
             kind, version = version, 1
         if kind not in application_ids:
             raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
         if version != SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs {SCHEMA_VERSION}")
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
+            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
+                                        f" {SCHEMA_VERSION}")
+        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None,
+                                     timeout=BUSY_TIMEOUT)
     except sqlite3.Error as error:
         raise type(error)(f"{path}: {error}; nothing was written") from None
     try:
@@ -709,6 +789,36 @@ def _open(path, application_ids):
     return connection
 
 
+def _usable_file(path):
+    """(the file's real path, stat of its -wal, stat of its -shm; None where absent) for _open,
+    or the error naming what is wrong with it."""
+    # Through a symlink: SQLite keeps -wal and -shm beside the target.
+    real = os.path.realpath(path)
+    found = _stat(real)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)",
+                                path)
+    if stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
+    if not stat.S_ISREG(found.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+    if found.st_nlink > 1:
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
+                      " name would keep its own -wal and committed work could be lost", path)
+    # One stat per file says both whether it is there and whether we may use it: another
+    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
+    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
+    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal),
+                              ("-shm", real + "-shm", shm)):
+        if seen is not None and not _read_write(seen):
+            raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
+                                  " writable (WAL writes -wal and -shm beside the file)", where)
+    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes"
+                              " -wal and -shm beside the file)", os.path.dirname(real))
+    return real, wal, shm
+
+
 def _stat(path):
     """os.stat(path), or None where nothing is there."""
     try:
@@ -718,8 +828,9 @@ def _stat(path):
 
 
 def _read_write(seen):
-    """Whether the owner, group or other bits of a stat let this process read and write the file,
-    as the kernel decides it (root may always); ACLs are not read, so a grant by one is refused."""
+    """Whether the owner, group or other bits of a stat let this process read and write the
+    file, as the kernel decides (root may always); ACLs are not read, so a grant by one is
+    refused."""
     if os.geteuid() == 0:
         return True
     if seen.st_uid == os.geteuid():
@@ -732,7 +843,7 @@ def _read_write(seen):
 
 
 def _create(path, application_id, schema, fill=None):
-    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``) in one transaction.
+    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), at once.
 
     Never overwrites: an existing file, or a journal an earlier file left, raises
     FileExistsError.  On failure the files it made are removed again.
@@ -740,7 +851,8 @@ def _create(path, application_id, schema, fill=None):
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # two inits cannot both win
+    # O_EXCL: of two inits, one wins.
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     connection = None
     try:
         connection = sqlite3.connect(path, isolation_level=None)
@@ -769,9 +881,9 @@ def _create(path, application_id, schema, fill=None):
 def wal_reset_bug(version=None):
     """True if this SQLite (default: the linked one) has the WAL-reset race.
 
-    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to
-    3.50.7 and 3.44.6), can corrupt a WAL database or lose commits when several
-    connections write and checkpoint: exactly the use these modules teach.
+    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
+    3.44.6), can corrupt a WAL database or lose commits when several connections write and
+    checkpoint: exactly the use these modules teach.
     """
     version = tuple(version or sqlite3.sqlite_version_info)
     if not (3, 7, 0) <= version < (3, 51, 3):
@@ -780,23 +892,41 @@ def wal_reset_bug(version=None):
 
 
 def _text(value):
-    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it as
-    (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale gives them."""
+    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
+    as (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale
+    gives them."""
     try:
         return os.fsencode(value).decode("utf-8")
-    except UnicodeError:  # not bytes of UTF-8 text: left as it came, and refused where it is checked
+    except UnicodeError:
+        # Not bytes of UTF-8 text: left as it came, and refused where it is checked.
         return value
 
 
-# --- DELIBERATELY UNSAFE baselines: the experiments' counterexamples, never called above ----------
+def _json_argument(text, what):
+    try:
+        return json.loads(text, object_pairs_hook=_no_repeats)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
+def _no_repeats(pairs):
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("it repeats a key")
+    return dict(pairs)
+
+
+# --- DELIBERATELY UNSAFE baselines: the experiments' counterexamples, never called above ----
 
 def unsafe_receive_without_receipt(connection, caller, key, payload):
-    """UNSAFE (第一篇 §4): a receiver that keeps no receipt: a replay after a lost reply duplicates."""
+    """UNSAFE (第一篇 §4): a receiver that keeps no receipt: a replay after a lost reply
+    duplicates."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     with transaction(connection):
-        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload) VALUES (?, ?, ?, ?)",
-                                    (caller, key, digest, text)).lastrowid
+        ticket = connection.execute("INSERT INTO tickets (caller, key, digest, payload)"
+                                    " VALUES (?, ?, ?, ?)", (caller, key, digest, text)).lastrowid
         crash_point("before_receiver_commit")
     crash_point("after_receiver_commit")
     return {"caller": caller, "key": key, "digest": digest, "ticket_id": ticket}
@@ -810,73 +940,82 @@ def unsafe_dispatch_mark_before(connection, root, now, *, start=None, timeout=CH
     _end_attempt(connection, row["caller"], row["key"], row["attempt"], "done")
     crash_point("after_mark_before_send")
     response, exit_code = call_tool(root, row, start=start, timeout=timeout)
-    return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"], "exit_code": exit_code,
-            "response": response, "acknowledged": False}
+    return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"],
+            "exit_code": exit_code, "response": response, "acknowledged": False}
 
 
 def unsafe_delete_receipts(connection, before_tick):
-    """UNSAFE (第一篇 §7): deletes old receipts without a low-water mark, so a late replay acts again."""
+    """UNSAFE (第一篇 §7): deletes old receipts without a low-water mark: a late replay acts again."""
     with transaction(connection):
         return connection.execute("DELETE FROM receipts WHERE tick < ?", (before_tick,)).rowcount
 
 
 def unsafe_retry_unknown(connection, root, caller, key, *, start=None, timeout=CHILD_TIMEOUT):
     """UNSAFE (第一篇 §6): calls the external tool again for an unknown row, ignoring the policy."""
-    return call_tool(root, _claimed_row(connection, caller, key, 0, None), start=start, timeout=timeout)
+    return call_tool(root, _claimed_row(connection, caller, key, 0, None), start=start,
+                     timeout=timeout)
 
 
-# --- crash boundaries (第一篇 §4) ----------------------------------------------------------------
+# --- crash boundaries (第一篇 §4) -----------------------------------------------------------
 
-CRASH_AT = None  # the boundary at which this process dies; set only by a child's CLI (--crash)
+# The boundary at which this process dies; set only by a child's CLI (--crash).
+CRASH_AT = None
 
 
 def crash_point(name):
     if name == CRASH_AT:
-        os.write(2, f"reliability.py: died at {name} (exit {CRASH_EXIT})\n".encode())  # unbuffered: said, then gone
-        os._exit(CRASH_EXIT)  # no finally, no flush, no COMMIT: a real process death
+        # Unbuffered: said, then gone; no finally, no flush, no COMMIT, a real process death.
+        os.write(2, f"reliability.py: died at {name} (exit {CRASH_EXIT})\n".encode())
+        os._exit(CRASH_EXIT)
 
 
-# --- command line: the experiment's child processes, and a reader stepping by hand ----------------
+# --- command line: the experiment's child processes, and a reader stepping by hand ----------
 
-TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}  # serve TOOL: owner of its crashes
+# serve TOOL: the process that owns the tool's crash boundaries.
+TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}
 
 
 def main(argv=None):
     """reliability.py COMMAND ...: one JSON line on stdout (UTF-8 bytes whatever the locale).
 
-    Each command's line says what happened in its "status"; snapshot prints what the
-    three databases hold; ``serve TOOL DB`` is a tool child (one request line on stdin,
-    one reply line out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad
-    usage.  At ``--crash BOUNDARY`` the process says so on stderr and exits CRASH_EXIT;
-    dispatch and deliver pass a tool child's boundary on to the child they start.
+    Each command's line says what happened in its "status"; snapshot prints what the three
+    databases hold; ``serve TOOL DB`` is a tool child (one request line on stdin, one reply
+    line out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad usage.  At
+    ``--crash BOUNDARY`` the process says so on stderr and exits CRASH_EXIT; dispatch and
+    deliver pass a tool child's boundary on to the child they start.
     """
     global CRASH_AT
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    for name in ("caller", "key", "payload", "by", "why", "evidence"):  # text, not paths: read as typed
+    # Text, not paths: read as typed.
+    for name in ("caller", "key", "payload", "by", "why", "evidence"):
         if isinstance(getattr(args, name, None), str):
             setattr(args, name, _text(getattr(args, name)))
     crash = getattr(args, "crash", None)
     if args.command == "serve" and crash and BOUNDARIES[crash] != TOOLS[args.tool]:
         parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
-    passed_on = crash if args.command != "serve" and BOUNDARIES.get(crash) in ("receiver", "external") else None
+    tools = ("receiver", "external")
+    passed_on = crash if args.command != "serve" and BOUNDARIES.get(crash) in tools else None
     CRASH_AT = None if passed_on else crash
     try:
         result = _serve(args) if args.command == "serve" else _run(args, passed_on)
-    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError, OverflowError,
-            RecursionError, sqlite3.Error) as error:
+    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError,
+            OverflowError, RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
         sys.stderr.write(f"reliability.py {args.command}: {type(error).__name__}: {message}\n")
         return 1
-    if result is None:  # serve: the sender went away, nobody to answer
+    # serve: the sender went away, nobody to answer.
+    if result is None:
         return 1
     try:
         sys.stdout.buffer.write(result + b"\n")
         sys.stdout.buffer.flush()
-    except BrokenPipeError:  # the reader is gone; keep the interpreter's exit flush quiet too
+    except BrokenPipeError:
+        # The reader is gone; the interpreter's exit flush stays quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    crash_point("after_response_write")  # serve's only: the complete reply is already in the pipe
+    # serve's only: the complete reply is already in the pipe.
+    crash_point("after_response_write")
     return 0
 
 
@@ -889,11 +1028,13 @@ def _parser():
     def command(name, text, *positionals, now=True, crashes=()):
         p = sub.add_parser(name, help=text, description=text)
         if name != "serve":
-            p.add_argument("root", metavar="ROOT", help="the folder of sender.db, receiver.db and external.db")
+            p.add_argument("root", metavar="ROOT",
+                           help="the folder of sender.db, receiver.db and external.db")
         for argument, helptext, *choices in positionals:
             p.add_argument(argument, help=helptext, choices=choices[0] if choices else None)
         if now:
-            p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick it happens at")
+            p.add_argument("--now", type=int, required=True, metavar="T",
+                           help="the logical tick it happens at")
         if crashes:
             p.add_argument("--crash", choices=crashes, metavar="BOUNDARY",
                            help=f"exit {CRASH_EXIT} at that boundary: {', '.join(crashes)}")
@@ -901,38 +1042,50 @@ def _parser():
     caller = ("caller", "who asks (the caller of the request ID)")
     key = ("key", "the request ID, stable for one intent")
     delivery = mine("receiver", "external", "dispatch")
+    wait = dict(action="store_true",
+                help="print READY, then wait for GO on stdin (racers start together)")
     command("init", "create the three databases in ROOT", now=False)
     command("enqueue", "write an intent and its outbox row (第一篇 §2)", caller, key,
-            ("payload", "the intent's parameters, a JSON object"), crashes=mine("enqueue")).add_argument(
-        "--mode", choices=MODES, default="idempotent", help="the receiver with receipts, or a tool without (§6)")
-    wait = dict(action="store_true", help="print READY, then wait for GO on stdin (racers start together)")
-    command("claim", "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)").add_argument("--wait", **wait)
-    command("dispatch", "claim a due row and call its tool in a child process (§4-§6)", crashes=delivery)
-    command("deliver", "call the tool for a row claimed earlier, under that attempt", caller, key,
-            crashes=[b for b in delivery if b != "after_claim"]).add_argument(
-        "--attempt", type=int, required=True, metavar="N", help="the attempt number the claim gave")
-    command("serve", "a tool child: answer one request line on stdin", ("tool", "which tool", list(TOOLS)),
-            ("db", "its database file"), now=False, crashes=mine("receiver", "external")).add_argument(
-        "--wait", **wait)
+            ("payload", "the intent's parameters, a JSON object"),
+            crashes=mine("enqueue")).add_argument(
+        "--mode", choices=MODES, default="idempotent",
+        help="the receiver with receipts, or a tool without (§6)")
+    command("claim", "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)"
+            ).add_argument("--wait", **wait)
+    command("dispatch", "claim a due row and call its tool in a child process (§4-§6)",
+            crashes=delivery)
+    command("deliver", "call the tool for a row claimed earlier, under that attempt", caller,
+            key, crashes=[b for b in delivery if b != "after_claim"]).add_argument(
+        "--attempt", type=int, required=True, metavar="N",
+        help="the attempt number the claim gave")
+    command("serve", "a tool child: answer one request line on stdin",
+            ("tool", "which tool", list(TOOLS)), ("db", "its database file"), now=False,
+            crashes=mine("receiver", "external")).add_argument("--wait", **wait)
     command("snapshot", "print what the three databases hold", now=False)
-    command("reconcile", "settle an unknown row from the external tool's own records", caller, key)
-    p = command("resolve", "record a person's decision on an unknown or blocked row", caller, key,
-                ("decision", "what the person decided", ["done", "retry", "abandon"]), now=False)
+    command("reconcile", "settle an unknown row from the external tool's own records", caller,
+            key)
+    p = command("resolve", "record a person's decision on an unknown or blocked row", caller,
+                key, ("decision", "what the person decided", ["done", "retry", "abandon"]),
+                now=False)
     p.add_argument("--by", required=True, help="who decides")
     p.add_argument("--why", required=True, help="the reason, kept in the audit row")
-    p.add_argument("--evidence", help='for done: the tool\'s response, a JSON object with exactly caller, key, digest'
-                   ' and ticket_id (snapshot lists the external tool\'s tickets in that form)')
-    command("purge", "delete receipts older than T - W and raise the low-water mark").add_argument(
-        "--window", type=int, required=True, metavar="W", help="ticks of receipts to keep")
-    command("unsafe-dispatch-mark-before", "UNSAFE baseline: record done, then send", crashes=mine(
-        "unsafe-dispatch-mark-before"))
+    p.add_argument("--evidence", help="for done: the tool's response, a JSON object with exactly"
+                   " caller, key, digest and ticket_id (snapshot lists the external tool's"
+                   " tickets in that form)")
+    command("purge", "delete receipts older than T - W and raise the low-water mark"
+            ).add_argument("--window", type=int, required=True, metavar="W",
+                           help="ticks of receipts to keep")
+    command("unsafe-dispatch-mark-before", "UNSAFE baseline: record done, then send",
+            crashes=mine("unsafe-dispatch-mark-before"))
     return parser
 
 
 def _serve(args):
-    """A tool child's answer to one request line on stdin, as UTF-8 JSON bytes (None: nobody asked)."""
+    """A tool child's answer to one request line on stdin, as UTF-8 JSON bytes (None: nobody
+    asked)."""
     line = sys.stdin.buffer.readline()
-    if not line:  # the sender went away before asking: nothing to answer, nothing to say
+    # The sender went away before asking: nothing to answer, nothing to say.
+    if not line:
         return None
     request = json.loads(line.decode("utf-8"))
     caller, key, payload = request["caller"], request["key"], request["payload"]
@@ -941,13 +1094,16 @@ def _serve(args):
         if args.wait:
             _wait_for_go()
         if args.tool == "receive":
-            response = receive(connection, caller, key, payload, issued_at=request["issued_at"], now=request["now"])
+            response = receive(connection, caller, key, payload, issued_at=request["issued_at"],
+                               now=request["now"])
         else:
-            act = external_create_ticket if args.tool == "external" else unsafe_receive_without_receipt
+            act = external_create_ticket if args.tool == "external" else \
+                unsafe_receive_without_receipt
             response = act(connection, caller, key, payload)
-    except (Conflict, Expired, CorruptRecord) as error:  # refusals for good: the sender blocks the row at once
-        response = {"error": {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt"),
-                    "message": str(error)}
+    except (Conflict, Expired, CorruptRecord) as error:
+        # Refusals for good: the sender blocks the row at once.
+        refusal = {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt")
+        response = {"error": refusal, "message": str(error)}
     finally:
         connection.close()
     return _dumps(response).encode("utf-8")
@@ -972,47 +1128,60 @@ def _run(args, passed_on):
         if args.command == "enqueue":
             payload = _json_argument(args.payload, "PAYLOAD")
             status = enqueue(sender, args.caller, args.key, payload, now=args.now, mode=args.mode)
-            return _line({"status": status, "caller": args.caller, "key": args.key, "mode": args.mode})
+            return _line({"status": status, "caller": args.caller, "key": args.key,
+                          "mode": args.mode})
         if args.command == "reconcile":
             return _line(reconcile(sender, open_(EXTERNAL), args.caller, args.key, args.now))
         if args.command == "resolve":
-            evidence = None if args.evidence is None else _json_argument(args.evidence, "--evidence")
-            return _line(resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why,
-                                 evidence=evidence))
+            evidence = None if args.evidence is None else _json_argument(args.evidence,
+                                                                         "--evidence")
+            return _line(resolve(sender, args.caller, args.key, args.decision, by=args.by,
+                                 why=args.why, evidence=evidence))
         due = _in_line(sender)
         start = None if passed_on is None else _passing_on(passed_on)
         if args.command == "claim":
             if args.wait:
                 _wait_for_go()
             row = claim(sender, args.now)
-            result = {"status": "nothing due", "now": args.now} if row is None else dict(row, status="claimed")
+            result = ({"status": "nothing due", "now": args.now} if row is None
+                      else dict(row, status="claimed"))
         elif args.command == "deliver":
             row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
-            made = sender.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?", (args.caller, args.key))
-            if not 1 <= args.attempt <= made.fetchone()[0]:  # a late delivery is of an attempt that was claimed
-                raise ValueError(f"attempt {args.attempt} of {args.caller!r}/{args.key!r} was never claimed")
+            made = sender.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?",
+                                  (args.caller, args.key)).fetchone()[0]
+            # A late delivery is of an attempt that was claimed.
+            if not 1 <= args.attempt <= made:
+                raise ValueError(f"attempt {args.attempt} of {args.caller!r}/{args.key!r} was"
+                                 " never claimed")
             result = _delivered(sender, deliver(sender, args.root, row, start=start))
         elif args.command == "dispatch":
-            result = _delivered(sender, dispatch(sender, args.root, args.now, start=start), args.now)
+            result = _delivered(sender, dispatch(sender, args.root, args.now, start=start),
+                                args.now)
         else:
-            result = _delivered(sender, unsafe_dispatch_mark_before(sender, args.root, args.now), args.now)
+            result = _delivered(sender, unsafe_dispatch_mark_before(sender, args.root, args.now),
+                                args.now)
             result["note"] = "UNSAFE baseline: recorded as done before anything was sent"
+        # Rows a claim parked on its way: an expired external row, or one it cannot send.
         parked = _parked(sender, due, result)
-        if parked:  # rows a claim parked on its way: an expired external row, or one it cannot send
+        if parked:
             result["parked"] = parked
-        if getattr(args, "crash", None) and (passed_on is None or result.get("exit_code") != CRASH_EXIT):
-            result["not_reached"] = args.crash  # still alive: that boundary was never met
+        # Still alive: that boundary was never met.
+        if getattr(args, "crash", None) and (passed_on is None
+                                             or result.get("exit_code") != CRASH_EXIT):
+            result["not_reached"] = args.crash
         return _line(result)
     finally:
         for connection in opened:
             connection.close()
 
 
-NOTES = {  # what a delivery left its row as, for a reader of dispatch's line
+# What a delivery left its row as, for a reader of dispatch's line.
+NOTES = {
     "done": "recorded as done with the tool's answer",
-    "inflight": "no valid answer: in flight until its lease ends, then a claim sends it again under the same key",
-    "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so it is never sent"
-               " again automatically (reconcile, or resolve by hand)",
+    "inflight": "no valid answer: in flight until its lease ends, then a claim sends it again"
+                " under the same key",
+    "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so"
+               " it is never sent again automatically (reconcile, or resolve by hand)",
     "blocked": "refused for good: a person decides (resolve)",
     "pending": "pending: the next claim sends it under the same key",
     "abandoned": "abandoned by a person: never sent again",
@@ -1023,39 +1192,45 @@ def _delivered(sender, result, now=None):
     """deliver()'s summary, with the state it left the row in and what that means."""
     if result is None:
         return {"status": "nothing due", "now": now}
-    state, lease_until = sender.execute("SELECT state, lease_until FROM outbox WHERE caller = ? AND key = ?",
+    state, lease_until = sender.execute("SELECT state, lease_until FROM outbox"
+                                        " WHERE caller = ? AND key = ?",
                                         (result["caller"], result["key"])).fetchone()
     return dict(result, status=state, lease_until=lease_until, note=NOTES.get(state, ""))
 
 
 def _in_line(sender):
-    # The ids of the rows a claim may take or park now: pending, or in flight (its lease may have ended).
-    return {row[0] for row in sender.execute("SELECT id FROM outbox WHERE state IN ('pending', 'inflight')")}
+    # The ids of the rows a claim may take or park now: pending, or in flight (its lease may
+    # have ended).
+    return {row[0] for row in sender.execute("SELECT id FROM outbox"
+                                             " WHERE state IN ('pending', 'inflight')")}
 
 
 def _parked(sender, due, result):
-    """The rows of ``due`` that are unknown or blocked now, but the one ``result`` is about: what
-    a claim parked on its way.  Read as bytes, as claim() reads them, so that a row another
-    program damaged is still reported (its text shown with backslash escapes where it is not UTF-8)."""
+    """The rows of ``due`` that are unknown or blocked now, but the one ``result`` is about:
+    what a claim parked on its way.  Read as bytes, as claim() reads them, so that a row
+    another program damaged is still named (with backslash escapes where it is not UTF-8)."""
     delivered = sender.execute("SELECT id FROM outbox WHERE caller = ? AND key = ?",
                                (result.get("caller"), result.get("key"))).fetchone()
     shown = lambda data: None if data is None else data.decode("utf-8", "backslashreplace")
     parked = []
     for number, caller, key, state, response in sender.execute(
-            "SELECT id, CAST(caller AS BLOB), CAST(key AS BLOB), state, CAST(response AS BLOB) FROM outbox"
-            " WHERE state IN ('unknown', 'blocked') ORDER BY id"):
+            "SELECT id, CAST(caller AS BLOB), CAST(key AS BLOB), state, CAST(response AS BLOB)"
+            " FROM outbox WHERE state IN ('unknown', 'blocked') ORDER BY id"):
         if number in due and (number,) != delivered:
             try:
                 response = json.loads(response) if response else None
-            except (ValueError, RecursionError):  # not JSON: shown as the text it is
+            except (ValueError, RecursionError):
+                # Not JSON: shown as the text it is.
                 response = shown(response)
-            parked.append({"caller": shown(caller), "key": shown(key), "state": state, "response": response})
+            parked.append({"caller": shown(caller), "key": shown(key), "state": state,
+                           "response": response})
     return parked
 
 
 def _passing_on(crash):
-    """A launcher for call_tool whose tool child dies at ``crash``, if that child's tool owns it."""
-    return lambda argv: start_child(argv + (["--crash", crash] if BOUNDARIES[crash] == TOOLS[argv[1]] else []))
+    """A launcher for call_tool whose tool child dies at ``crash``, if its tool owns it."""
+    return lambda argv: start_child(argv + (["--crash", crash]
+                                            if BOUNDARIES[crash] == TOOLS[argv[1]] else []))
 
 
 def _wait_for_go():
@@ -1067,33 +1242,19 @@ def _wait_for_go():
         raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
-def _json_argument(text, what):
-    try:
-        return json.loads(text, object_pairs_hook=_no_repeats)
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-    except ValueError as error:
-        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
-
-
-def _no_repeats(pairs):
-    if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("it repeats a key")
-    return dict(pairs)
-
-
 def _line(value):
     return _dumps(value).encode("utf-8")
 
 
 def _claimed_row(connection, caller, key, attempt, now):
-    row = connection.execute("SELECT mode, digest, payload, issued_at FROM requests WHERE caller = ? AND key = ?",
-                             (caller, key)).fetchone()
+    row = connection.execute("SELECT mode, digest, payload, issued_at FROM requests"
+                             " WHERE caller = ? AND key = ?", (caller, key)).fetchone()
     if row is None:
         raise ValueError(f"no request {caller!r}/{key!r}")
     mode, digest, text, issued_at = row
     now = issued_at if now is None else now
-    check_ticks(issued_at, now)  # a tick before the intent was issued fails here, not in the tool child
+    # A tick before the intent was issued fails here, not in the tool child.
+    check_ticks(issued_at, now)
     return {"caller": caller, "key": key, "attempt": attempt, "mode": mode, "digest": digest,
             "payload": json.loads(text), "issued_at": issued_at, "now": now}
 

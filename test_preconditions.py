@@ -71,8 +71,8 @@ KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int"
        "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH", "MAX_AMOUNT", "MAX_INT64",
        "MAX_TICK", "_dumps"]
 KIT_IMPORTS = "import hashlib\nimport json\nimport os\nimport sqlite3\nfrom contextlib import contextmanager\n"
-TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_create", "wal_reset_bug",
-         "_text", "_json_argument", "_no_repeats"]
+TWINS = ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open", "_usable_file", "_stat",
+         "_read_write", "_create", "wal_reset_bug", "_text", "_json_argument", "_no_repeats"]
 
 
 def plan(a=1, b=1, amount=3, src="A", dst="B"):

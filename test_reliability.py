@@ -1411,7 +1411,12 @@ class ClaimTest(Case):
             self.assertEqual((outbox(ws)["state"], outbox(ws)["response"]), ("inflight", None))
             self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, response), True)
             self.assertEqual((state(ws), outbox(ws)["response"]), (("done", 2), response))
-            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, response), False)  # done stays done
+            # Asked again, as after a reply lost on its way: the same answer, and nothing changes.
+            self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", 2, response), True)
+            other = dict(response, ticket_id=response["ticket_id"] + 1)
+            for attempt, answer in ((1, response), (2, other)):  # a stale attempt, another answer
+                self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", attempt, answer), False)
+            self.assertEqual((state(ws), outbox(ws)["response"]), (("done", 2), response))
 
     def test_forged_or_mismatched_responses_raise_and_never_mark_done(self):
         with workspace() as ws:
@@ -2621,14 +2626,14 @@ for _node in TREE.body:
             if isinstance(_target, ast.Name):
                 DEFINITIONS[_target.id] = _node
 KIT_IMPORTS = "import hashlib\nimport json\nimport os\nimport sqlite3\nfrom contextlib import contextmanager\n"
-RECEIVE_KIT = ["receive", "transaction", "canonical", "check_identity", "check_ticks", "crash_point", "CRASH_AT",
-               "CRASH_EXIT", "Conflict", "Expired", "CorruptRecord", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES",
-               "MAX_PAYLOAD_DEPTH",
+RECEIVE_KIT = ["receive", "_replayed", "transaction", "canonical", "_least_bytes", "check_identity",
+               "check_ticks", "crash_point", "CRASH_AT", "CRASH_EXIT", "Conflict", "Expired",
+               "CorruptRecord", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
                "MAX_TICK", "_dumps"]
-OUTBOX_KIT = ["enqueue", "claim", "acknowledge", "check_response", "transaction", "canonical",
-              "check_identity", "check_ticks", "crash_point", "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES",
-              "LEASE_TICKS", "MAX_ATTEMPTS", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK",
-              "_dumps"]
+OUTBOX_KIT = ["enqueue", "claim", "_oldest_due", "acknowledge", "check_response", "transaction",
+              "canonical", "_least_bytes", "check_identity", "check_ticks", "crash_point", "CRASH_AT",
+              "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS", "MAX_ATTEMPTS", "MAX_IDENTITY_LENGTH",
+              "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK", "_dumps"]
 
 
 def segment(node):
@@ -2725,8 +2730,10 @@ class CopyKitTest(unittest.TestCase):
     def test_each_kit_is_the_transitive_closure_of_what_its_functions_need(self):
         self.assertEqual(closure(["receive"]), set(RECEIVE_KIT))
         self.assertEqual(closure(["enqueue", "claim", "acknowledge"]), set(OUTBOX_KIT))
-        self.assertLessEqual(sum(len(segment(DEFINITIONS[name])) for name in RECEIVE_KIT), 100)
-        self.assertLessEqual(sum(len(segment(DEFINITIONS[name])) for name in closure(["claim", "acknowledge"])), 110)
+        # What a copier pastes, in lines: it may not grow unnoticed.
+        self.assertLessEqual(sum(len(segment(DEFINITIONS[name])) for name in RECEIVE_KIT), 114)
+        self.assertLessEqual(sum(len(segment(DEFINITIONS[name]))
+                                 for name in closure(["claim", "acknowledge"])), 137)
 
     def test_the_receive_kit_runs_the_articles_replay_alone(self):
         self.run_kit(RECEIVE_KIT, KIT_CHECKS["receive"])
