@@ -122,7 +122,7 @@ def idempotent_lost_ack(run):
 @scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once",
           cell=("before_intent_commit", "idempotent"))
 def before_intent_commit(run):
-    enqueue_crash(run, "before_intent_commit", kept=(None, 0), retry="accepted")
+    enqueue_crash(run, "before_intent_commit", kept=("absent", 0), retry="accepted")
 
 
 @scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row",
@@ -332,7 +332,8 @@ def observe(run, stage, exit_codes=()):
         with reader(os.path.join(run.root, name)) as connection:
             seen[name] = reliability.snapshot(connection)
     rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
-    row = rows[0] if rows else {"state": None, "attempts": 0, "response": None}
+    # No outbox row yet: the request is "absent", as article 1's download records it.
+    row = rows[0] if rows else {"state": "absent", "attempts": 0, "response": None}
     observation = {
         "sender_state": row["state"], "attempts": row["attempts"],
         "intent_rows": seen[reliability.SENDER]["intent_rows"],
@@ -342,7 +343,7 @@ def observe(run, stage, exit_codes=()):
         "response": row["response"], "exit_codes": list(exit_codes),
     }
     run.stages[stage] = observation
-    run.log("observer", f"{stage}: sender {row['state'] or 'has no row'} (attempts {row['attempts']}), "
+    run.log("observer", f"{stage}: sender {row['state']} (attempts {row['attempts']}), "
             f"receiver tickets {observation['receiver_tickets']}, receipts {observation['receiver_receipts']}, "
             f"external tickets {observation['external_tickets']}")
     return observation
