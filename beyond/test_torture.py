@@ -15,15 +15,17 @@ import tempfile
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
+# Run as python3 beyond/test_torture.py, it finds beyond/ on its path: the modules are one up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import preconditions  # noqa: E402
-import reliability  # noqa: E402
-import run_experiment  # noqa: E402
-from beyond import torture  # noqa: E402
+import preconditions
+import reliability
+import run_experiment
+from beyond import torture
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torture.py")
-WATCHDOG = 60.0  # seconds: only ends a hung child, never asserted as a measurement
+# Seconds: only ends a hung child, never asserted as a measurement.
+WATCHDOG = 60.0
 # 4 workers x 40 operations: this seed kills every kind of operation, before its work and after.
 SEED, OPERATIONS = 2415, 40
 
@@ -61,19 +63,22 @@ class CheckTest(unittest.TestCase):
     def test_each_invariant_broken_by_hand_is_reported(self):
         receiver, transfer = reliability.RECEIVER, torture.TRANSFER_DB
         breaks = {
-            "a key with two tickets": (receiver, "INSERT INTO tickets (caller, key, digest, payload)"
-                                       " SELECT caller, key, digest, payload FROM tickets WHERE id = 1",
-                                       "worker-0/op-0 has tickets [1, 3], its receipt names 1"),
-            "a revision not 1 + its writes": (transfer, "UPDATE resources SET revision = revision + 1"
-                                              " WHERE name = 'A'",
-                                              "revision of A is 4, not 1 + 2 writes"),
-            "a quantity off": (transfer, "UPDATE resources SET quantity = quantity + 1 WHERE name = 'B'",
-                               f"quantity of B is {torture.RESOURCES['B'] + 4}, not "
-                               f"{torture.RESOURCES['B']} +3"),
-            "an effect without its receipt": (transfer, "DELETE FROM receipt WHERE op = 'worker-0/t'",
-                                              "worker-0/t: a row, no receipt"),
-            "a receipt for another ticket": (receiver, "UPDATE receipts SET ticket_id = 2 WHERE key = 'op-0'",
-                                             "worker-0/op-0 has tickets [1], its receipt names 2"),
+            "a key with two tickets": (
+                receiver, "INSERT INTO tickets (caller, key, digest, payload)"
+                " SELECT caller, key, digest, payload FROM tickets WHERE id = 1",
+                "worker-0/op-0 has tickets [1, 3], its receipt names 1"),
+            "a revision not 1 + its writes": (
+                transfer, "UPDATE resources SET revision = revision + 1 WHERE name = 'A'",
+                "revision of A is 4, not 1 + 2 writes"),
+            "a quantity off": (
+                transfer, "UPDATE resources SET quantity = quantity + 1 WHERE name = 'B'",
+                f"quantity of B is {torture.RESOURCES['B'] + 4}, not {torture.RESOURCES['B']} +3"),
+            "an effect without its receipt": (
+                transfer, "DELETE FROM receipt WHERE op = 'worker-0/t'",
+                "worker-0/t: a row, no receipt"),
+            "a receipt for another ticket": (
+                receiver, "UPDATE receipts SET ticket_id = 2 WHERE key = 'op-0'",
+                "worker-0/op-0 has tickets [1], its receipt names 2"),
         }
         for label, (name, sql, said) in breaks.items():
             with self.subTest(label), folder() as base:
@@ -88,7 +93,9 @@ class CheckTest(unittest.TestCase):
 
 class CommandLineTest(unittest.TestCase):
     def test_bad_usage_exits_2(self):
-        for argv in ([], ["1", "--operations", "5"], ["0"], ["nan"], ["--operations", "0"], ["--bogus"]):
+        usages = ([], ["1", "--operations", "5"], ["0"], ["nan"], ["--operations", "0"],
+                  ["--bogus"])
+        for argv in usages:
             with self.subTest(argv=argv):
                 done = subprocess.run([sys.executable, "-S", SCRIPT, *argv], capture_output=True,
                                       timeout=WATCHDOG)
@@ -96,14 +103,15 @@ class CommandLineTest(unittest.TestCase):
 
     @unittest.skipUnless(hasattr(os, "killpg"), "the interrupt goes to a process group")
     def test_ctrl_c_exits_130_quietly_and_leaves_nothing_behind(self):
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's children ignore it
-            self.skipTest("SIGINT is ignored in this process, so no child of it can be interrupted")
+        # A background job's children ignore SIGINT too.
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            self.skipTest("SIGINT is ignored in this process, so no child of it can be stopped")
         # A 60 s run is surely still running, workers and tool children included, when the
-        # interrupt lands right after its folder appears: the timing of the machine does not matter.
+        # interrupt lands right after its folder appears: the machine's timing does not matter.
         with tempfile.TemporaryDirectory() as directory:
+            env = dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1")
             child = subprocess.Popen([sys.executable, "-S", SCRIPT, "60"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True,
-                                     env=dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1"))
+                                     stderr=subprocess.PIPE, start_new_session=True, env=env)
             try:
                 deadline = time.monotonic() + WATCHDOG
                 while not any(name.startswith("torture-") for name in os.listdir(directory)):
@@ -119,7 +127,8 @@ class CommandLineTest(unittest.TestCase):
             self.assertEqual(child.returncode, 130, err)
             self.assertEqual(err.splitlines()[-1], "beyond/torture.py: interrupted")
             self.assertNotIn("Traceback", err)
-            self.assertEqual(os.listdir(directory), [])  # its temporary folder is gone
+            # Its temporary folder is gone.
+            self.assertEqual(os.listdir(directory), [])
 
 
 # --- machinery -------------------------------------------------------------------------------
@@ -132,10 +141,12 @@ def folder():
     with tempfile.TemporaryDirectory() as base:
         reliability.init(base)
         preconditions.init(os.path.join(base, torture.TRANSFER_DB), torture.RESOURCES)
-        with contextlib.closing(reliability.connect(os.path.join(base, reliability.SENDER))) as sender:
+        sender_db = os.path.join(base, reliability.SENDER)
+        with contextlib.closing(reliability.connect(sender_db)) as sender:
             reliability.enqueue(sender, "worker-0", "op-0", {"worker": 0, "op": 0}, now=0)
             delivered = reliability.dispatch(sender, base, 0, start=run_experiment.start_tool)
-        with contextlib.closing(reliability.connect(os.path.join(base, reliability.RECEIVER))) as receiver:
+        receiver_db = os.path.join(base, reliability.RECEIVER)
+        with contextlib.closing(reliability.connect(receiver_db)) as receiver:
             received = reliability.receive(receiver, "worker-0", "op-1", {"worker": 0, "op": 1},
                                            issued_at=0, now=0)
         path = os.path.join(base, torture.TRANSFER_DB)

@@ -15,42 +15,49 @@ the kills are fixed by the seed, only the interleaving is not.  It needs both re
 and preconditions.py, and os.fork (POSIX).  Exit status: 0 every invariant holds, 1 a
 violation, 2 bad usage, 130 interrupted.
 """
+import argparse
+import json
 import os
+import random
+import select
+import shutil
+import signal
+import sqlite3
 import sys
+import tempfile
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
+# Run as python3 beyond/torture.py, it finds beyond/ on its path: the modules are one folder up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import select  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import sqlite3  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import preconditions  # noqa: E402
-import reliability  # noqa: E402
-import run_experiment  # noqa: E402
+import preconditions
+import reliability
+import run_experiment
 
 WORKERS = 4
-SELF_KILL = 0.15   # with --operations: the share of operations a worker dies in, by SIGKILL
-KILL_PAUSE = 0.1   # seconds: the killer waits uniformly up to this before each kill
-TICKS = 100        # logical ticks a second, so a lease (LEASE_TICKS) lasts 0.1 s
-GRACE = 5.0        # seconds after the deadline for workers and their tool children to end
+# With --operations: the share of operations a worker dies in, by SIGKILL.
+SELF_KILL = 0.15
+# Seconds: the killer waits uniformly up to this before each kill.
+KILL_PAUSE = 0.1
+# Logical ticks a second, so a lease (LEASE_TICKS) lasts 0.1 s.
+TICKS = 100
+# Seconds after the deadline for workers and their tool children to end.
+GRACE = 5.0
 TRANSFER_DB = "transfer.db"
 RESOURCES = {"A": 10 ** 9, "B": 10 ** 9, "C": 10 ** 9, "D": 10 ** 9}
 # Each kind of operation, and its weight in a worker's random choice.
 WORK = {"enqueue": 3, "dispatch": 5, "receive": 1, "execute_fresh": 2, "execute_stale": 1,
         "change": 1, "look": 8}
-LOOKED_AT = (reliability.RECEIVER, reliability.EXTERNAL)  # what the workers do not hold open
-LOOKS = 20         # times a worker looking opens, reads and closes a database
-SHOWN = 20         # violations printed; the summary keeps them all
+# What the workers do not hold open.
+LOOKED_AT = (reliability.RECEIVER, reliability.EXTERNAL)
+# Times a worker looking opens, reads and closes a database.
+LOOKS = 20
+# Violations printed; the summary keeps them all.
+SHOWN = 20
 
 
 def torture(seconds=None, seed=None, directory=None, operations=None):
-    """SIGKILL workers at random for ``seconds``, restart them, recover, then check every invariant.
+    """SIGKILL workers at random for ``seconds``, restart them, recover, check every invariant.
 
     With ``operations`` instead, each worker does exactly that many seeded operations and
     SIGKILLs itself at the seeded kill points, so the work and the kills are determined by
@@ -115,7 +122,8 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
                          _lines(_file(base, index, "journal"))}.values():
                 done[kind] += 1
     finally:
-        for pid in pids.values():  # only after an error above: nothing may outlive the call
+        # Only after an error above: nothing may outlive the call.
+        for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         for fd in (alive_read, alive_write):
@@ -154,7 +162,8 @@ def check(base, violations):
                   for op, result in read(TRANSFER_DB, "SELECT op, result FROM receipt")}
         effects = read(TRANSFER_DB, "SELECT op, src, dst, amount FROM effects")
         changes = read(TRANSFER_DB, "SELECT op, name, delta FROM changes")
-        resources = read(TRANSFER_DB, "SELECT name, quantity, revision FROM resources ORDER BY name")
+        resources = read(TRANSFER_DB, "SELECT name, quantity, revision FROM resources"
+                                      " ORDER BY name")
     finally:
         for connection in opened.values():
             connection.close()
@@ -231,7 +240,7 @@ def check(base, violations):
 # --- the workers ---------------------------------------------------------------------------
 
 def _worker(base, index, seed, started, deadline, alive, operations=None):
-    """One life of a worker: redo the journal's last operation with its keys (and plan), then go on.
+    """One life of a worker: redo the journal's last operation with its keys and plan, go on.
 
     The journal line is written before the operation, so a restart cannot tell whether it
     finished and does it again; the protocols must make that harmless.  With ``operations``,
@@ -240,7 +249,9 @@ def _worker(base, index, seed, started, deadline, alive, operations=None):
     """
     entries = _lines(_file(base, index, "journal"), repair=True)
     _lines(_file(base, index, "reported"), repair=True)
-    n, plan, resuming = (entries[-1]["n"], entries[-1].get("plan"), True) if entries else (0, None, False)
+    n, plan, resuming = 0, None, False
+    if entries:
+        n, plan, resuming = entries[-1]["n"], entries[-1].get("plan"), True
     journal, reported = (os.open(_file(base, index, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                                  0o644) for name in ("journal", "reported"))
     sender = reliability.connect(os.path.join(base, reliability.SENDER))
@@ -330,7 +341,8 @@ def _spawn(base, index, seed, started, deadline, alive_read, alive_write, operat
         os.close(alive_read)
         try:
             return _worker(base, index, seed, started, deadline, alive_write, operations)
-        except BaseException as error:  # for the report; the exit code 1 says it failed
+        # For the report; the exit code 1 says it failed.
+        except BaseException as error:
             with open(_file(base, index, "error"), "w", encoding="utf-8") as handle:
                 handle.write(f"{type(error).__name__}: {error}")
             return 1
@@ -391,7 +403,8 @@ def report(summary):
     length = (f"{summary['seconds']:g} s" if summary["seconds"] is not None else
               "seeded operations")
     print(f"torture: {summary['workers']} workers, {length}, seed {summary['seed']}, SQLite "
-          f"{summary['sqlite']}: {summary['kills']} kill -9 survived, {summary['restarts']} restarts")
+          f"{summary['sqlite']}: {summary['kills']} kill -9 survived, {summary['restarts']}"
+          " restarts")
     print(f"  operations: {listed(summary['operations'])}")
     print(f"  reliability: {final['requests']} requests, outbox {listed(final['outbox'])}; "
           f"{final['tickets']} tickets, {final['receipts']} receipts; "
@@ -438,5 +451,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     status = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C after the verdict changes nothing
+    # A Ctrl-C after the verdict changes nothing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(status)
