@@ -1,26 +1,26 @@
 """Rerun the articles' crash experiments with real processes and compare with results.json.
 
   python3 run_experiment.py                  run every scenario, one line each, then a verdict
-  python3 run_experiment.py --check [PATH]   the same, then compare with PATH (default results.json)
+  python3 run_experiment.py --check [PATH]   the same, then compare with PATH (results.json)
   python3 run_experiment.py --list           the scenarios, one line each
   python3 run_experiment.py --only NAME ...  a subset (with --check, only those are compared)
   python3 run_experiment.py --explain NAME   one scenario as a timeline of what each process did
   python3 run_experiment.py --json           the deterministic results on stdout
   python3 run_experiment.py --output FILE    the deterministic results written to FILE
 
-Every scenario starts in a fresh temporary directory.  Crashes are real: a child
-process calls os._exit at a named boundary, and what survives is read back from
-the SQLite files by another process.  Results hold statuses, exit codes, counts,
-quantities, revisions, digests and ids, never paths, pids or timings, so a rerun
-reproduces them byte for byte.  Each module is optional: with only reliability.py
-(article 1's download) or only preconditions.py (article 7's), only its scenarios
-run and only they are compared.
+Every scenario starts in a fresh temporary directory.  Crashes are real: a child process calls
+os._exit at a named boundary, and what survives is read back from the SQLite files by another
+process.  Results hold statuses, exit codes, counts, quantities, revisions, digests and ids,
+never paths, pids or timings, so a rerun reproduces them byte for byte.  Each module is
+optional: with only reliability.py (article 1's download) or only preconditions.py (article
+7's), only its scenarios run and only they are compared.
 Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted.
 """
 import sys
 
-if sys.version_info < (3, 9):  # one clear line, not a traceback, on an interpreter too old
-    sys.stderr.write(f"run_experiment.py needs Python 3.9 or newer; this is {sys.version.split()[0]}\n")
+# One clear line, not a traceback, on an interpreter too old.
+if sys.version_info < (3, 9):
+    sys.stderr.write(f"run_experiment.py needs Python 3.9 or newer, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
 import argparse
@@ -44,7 +44,8 @@ import threading
 import time
 import traceback
 
-try:  # article 1's download has only reliability.py, article 7's only preconditions.py
+# Article 1's download has only reliability.py, article 7's only preconditions.py.
+try:
     import reliability
 except ModuleNotFoundError:
     reliability = None
@@ -55,31 +56,39 @@ except ModuleNotFoundError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
-WATCHDOG = 60.0  # seconds: only stops a hung child, never paces a scenario
-JOBS = 3  # worker processes sharing the scenarios; they mostly wait on children and fsync
-USE_FORK = hasattr(os, "fork")  # children forked (a few ms) rather than fresh interpreters (~30 ms); --exec: fresh
-MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}  # None where absent
+# Seconds: only stops a hung child, never paces a scenario.
+WATCHDOG = 60.0
+# Worker processes sharing the scenarios: they mostly wait on children and fsync.
+JOBS = 3
+# Children forked (a few ms) rather than fresh interpreters (about 30 ms); --exec: fresh ones.
+USE_FORK = hasattr(os, "fork")
+# The modules a child runs, by file name; None where this download lacks one.
+MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
 CALLER, KEY = "agent", "ticket-1"
 PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
-SCENARIOS = {}  # name -> (article, description, function), in article order, for the modules present
-HEADINGS = {"article_1": "Article 1: the tool did the work but the receipt was lost",
-            "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
-            "article_7": "Article 7: no duplicate execution, yet still wrong",
-            "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it applies to"}
-
-
-COVERS = {}  # (boundary, mode) -> the article scenario that already is that crash-matrix cell
+# name -> (group, description, function), in article order, for the modules present.
+SCENARIOS = {}
+# (boundary, mode) -> the article scenario that already is that crash-matrix cell.
+COVERS = {}
+HEADINGS = {
+    "article_1": "Article 1: the tool did the work but the receipt was lost",
+    "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
+    "article_7": "Article 7: no duplicate execution, yet still wrong",
+    "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it"
+                    " applies to"}
 
 
 def module_of(group, name=""):
     """The module a scenario of ``group`` runs, None where this download lacks it: preconditions
     for article 7 and its crash-matrix cells (named preconditions/...), else reliability."""
-    return preconditions if group == "article_7" or name.startswith("preconditions/") else reliability
+    article_7 = group == "article_7" or name.startswith("preconditions/")
+    return preconditions if article_7 else reliability
 
 
 def scenario(article, description, cell=None):
-    """Register a scenario if its module is present; ``cell=(boundary, mode)`` says it doubles as that matrix cell."""
+    """Register a scenario if its module is present; ``cell=(boundary, mode)`` says it doubles
+    as that crash-matrix cell."""
     def register(function):
         if module_of(article) is not None:
             SCENARIOS[function.__name__] = (article, description, function)
@@ -89,44 +98,47 @@ def scenario(article, description, cell=None):
     return register
 
 
-# --- article 1: reliability.py --------------------------------------------------------
-# Each scenario crashes a real process at a named boundary, recovers in a new one from
-# what was committed, and records what the three databases hold at each stage.  A
-# scenario may return its console line's figures; summary() says the rest.
+# --- article 1: reliability.py --------------------------------------------------------------
+# Each scenario crashes a real process at a named boundary, recovers in a new one from what
+# was committed, and records what the three databases hold at each stage.  A scenario may
+# return its console line's figures; summary() says the rest.
 
-@scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a second ticket",
-          cell=("after_receiver_commit", "naive"))
+@scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a"
+          " second ticket", cell=("after_receiver_commit", "naive"))
 def naive_lost_ack(run):
     final = lost_ack(run, "naive")
-    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 2))
+    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"],
+                           final["receiver_tickets"]), (1, 2))
 
 
-@scenario("article_1", "sender records done before sending and dies: the ticket is never created",
-          cell=("after_mark_before_send", "mark_before"))
+@scenario("article_1", "sender records done before sending and dies: the ticket is never"
+          " created", cell=("after_mark_before_send", "mark_before"))
 def mark_before_send_loses_task(run):
     enqueue(run, "mark_before")
     observe(run, "after_crash", sender_child(run, "unsafe-dispatch-mark-before", "--now", 0,
                                              crash="after_mark_before_send"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
-    run.expect("sender state and tickets", (final["sender_state"], final["receiver_tickets"]), ("done", 0))
+    run.expect("sender state and tickets", pick(final, "sender_state", "receiver_tickets"),
+               ("done", 0))
 
 
-@scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same ticket",
-          cell=("after_receiver_commit", "idempotent"))
+@scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same"
+          " ticket", cell=("after_receiver_commit", "idempotent"))
 def idempotent_lost_ack(run):
     final = lost_ack(run, "idempotent")
-    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"], final["receiver_tickets"]), (1, 1))
+    run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"],
+                           final["receiver_tickets"]), (1, 1))
     run.expect("replayed ticket id", final["response"]["ticket_id"], 1)
 
 
-@scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry delivers once",
-          cell=("before_intent_commit", "idempotent"))
+@scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry"
+          " delivers once", cell=("before_intent_commit", "idempotent"))
 def before_intent_commit(run):
     enqueue_crash(run, "before_intent_commit", kept=("absent", 0), retry="accepted")
 
 
-@scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry adds no row",
-          cell=("after_intent_commit", "idempotent"))
+@scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry"
+          " adds no row", cell=("after_intent_commit", "idempotent"))
 def after_intent_commit(run):
     enqueue_crash(run, "after_intent_commit", kept=("pending", 1), retry="duplicate")
 
@@ -135,114 +147,128 @@ def after_intent_commit(run):
           cell=("after_claim", "idempotent"))
 def after_claim(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_claim"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+                                                     crash="after_claim"))
     early = observe(run, "before_lease_expiry", dispatch(run, 9, lane="recovery"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     run.expect("lease holds until tick 10", (first["attempts"], early["attempts"]), (1, 1))
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+    run.expect("outcome", pick(final, "sender_state", "attempts", "receiver_tickets"),
+               ("done", 2, 1))
 
 
-@scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt together",
-          cell=("before_receiver_commit", "idempotent"))
+@scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt"
+          " together", cell=("before_receiver_commit", "idempotent"))
 def before_receiver_commit(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "before_receiver_commit"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
-    run.expect("nothing committed", (first["receiver_tickets"], first["receiver_receipts"]), (0, 0))
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
+    run.expect("nothing committed", pick(first, "receiver_tickets", "receiver_receipts"), (0, 0))
+    run.expect("outcome", pick(final, "sender_state", "attempts", "receiver_tickets"),
+               ("done", 2, 1))
 
 
-@scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still counts",
-          cell=("after_response_write", "idempotent"))
+@scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still"
+          " counts", cell=("after_response_write", "idempotent"))
 def after_response_write(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "after_response_write"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
-    run.expect("done on the first attempt", (first["sender_state"], first["attempts"], first["exit_codes"]),
+    run.expect("done on the first attempt", pick(first, "sender_state", "attempts", "exit_codes"),
                ("done", 1, [reliability.CRASH_EXIT]))
-    run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
+    run.expect("restart sends nothing", pick(final, "attempts", "receiver_tickets"), (1, 1))
 
 
-@scenario("article_1", "sender read the reply but died before recording it: the replay returns it again",
-          cell=("after_response_before_ack", "idempotent"))
+@scenario("article_1", "sender read the reply but died before recording it: the replay returns"
+          " it again", cell=("after_response_before_ack", "idempotent"))
 def after_response_before_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_response_before_ack"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+                                                     crash="after_response_before_ack"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
-    run.expect("ticket committed, not recorded", (first["sender_state"], first["receiver_tickets"]), ("inflight", 1))
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"],
-                           final["response"]["ticket_id"]), ("done", 2, 1, 1))
+    run.expect("ticket committed, not recorded", pick(first, "sender_state", "receiver_tickets"),
+               ("inflight", 1))
+    run.expect("outcome", pick(final, "sender_state", "attempts", "receiver_tickets")
+               + (final["response"]["ticket_id"],), ("done", 2, 1, 1))
 
 
 @scenario("article_1", "sender dies after recording done: the restart sends nothing",
           cell=("after_ack", "idempotent"))
 def after_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0, crash="after_ack"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+                                                     crash="after_ack"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("done before the crash", first["sender_state"], "done")
-    run.expect("restart sends nothing", (final["attempts"], final["receiver_tickets"]), (1, 1))
+    run.expect("restart sends nothing", pick(final, "attempts", "receiver_tickets"), (1, 1))
 
 
-@scenario("article_1", "same key, different payload: the receiver refuses, the ticket is unchanged")
+@scenario("article_1", "same key, different payload: the receiver refuses, the ticket is"
+          " unchanged")
 def mismatched_payload(run):
     enqueue(run)
     observe(run, "after_delivery", dispatch(run, 0))
     changed = dict(PAYLOAD, title="A different ticket")
     launch = tool_launcher(run)
-    answer, code = reliability.call_tool(run.root, {"caller": CALLER, "key": KEY, "mode": "idempotent",
-                                                    "payload": changed, "issued_at": 0, "now": 0}, start=launch)
+    request = {"caller": CALLER, "key": KEY, "mode": "idempotent", "payload": changed,
+               "issued_at": 0, "now": 0}
+    answer, code = reliability.call_tool(run.root, request, start=launch)
     heard(launch.started, "child")
     run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
     run.inject("same key, other payload")
     final = observe(run, "after_mismatch", [code])
     run.stages["after_mismatch"]["refusal"] = answer.get("error")
     run.expect("refusal", answer.get("error"), "conflict")
-    run.expect("ticket unchanged", (final["receiver_tickets"], final["response"]["ticket_id"]), (1, 1))
+    run.expect("ticket unchanged", (final["receiver_tickets"], final["response"]["ticket_id"]),
+               (1, 1))
     return f"same key, other payload: {answer.get('error')}; {summary(run)}"
 
 
 @scenario("article_1", "8 processes race to claim; a stale attempt's acknowledgement is refused")
 def concurrent_claim(run):
     enqueue(run)
-    with batch(run, [("reliability.py", "claim", run.root, "--now", 0, "--wait")] * 8) as children:
+    claimers = [("reliability.py", "claim", run.root, "--now", 0, "--wait")] * 8
+    with batch(run, claimers) as children:
         released, claims = race(children)
     winners = [line for line in claims if line["status"] == "claimed"]
     run.inject("8 claimer processes released together, a late ack from attempt 1")
     run.log("sender", f"8 claimer processes at tick 0: {len(winners)} won attempt "
             f"{[w['attempt'] for w in winners]}")
-    observe(run, "after_race", [child.returncode for child in children])["released_together"] = released
-    connection = _open(run, reliability.SENDER)
-    try:
+    codes = [child.returncode for child in children]
+    observe(run, "after_race", codes)["released_together"] = released
+    with _connections(run, reliability.SENDER) as (connection,):
         current = reliability.claim(connection, 11)
-    finally:
-        connection.close()
     run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
-    code, stale = run_child(run, "reliability.py", "deliver", run.root, CALLER, KEY, "--attempt", 1, "--now", 11)
+    code, stale = run_child(run, "reliability.py", "deliver", run.root, CALLER, KEY,
+                            "--attempt", 1, "--now", 11)
     refused = "accepted" if stale["acknowledged"] else "refused"
-    run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement {refused}")
+    run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement"
+            f" {refused}")
     observe(run, "after_stale_ack", [code])
-    connection = _open(run, reliability.SENDER)
     launch = tool_launcher(run)
     try:
-        result = reliability.deliver(connection, run.root, current, start=launch)
+        with _connections(run, reliability.SENDER) as (connection,):
+            result = reliability.deliver(connection, run.root, current, start=launch)
     finally:
-        connection.close()
         heard(launch.started, "child")
-    run.log("recovery", f"attempt {current['attempt']} delivers: ticket {result['response']['ticket_id']}, "
-            f"{'recorded done' if result['acknowledged'] else 'refused'}")
+    done = "recorded done" if result["acknowledged"] else "refused"
+    run.log("recovery", f"attempt {current['attempt']} delivers: ticket"
+            f" {result['response']['ticket_id']}, {done}")
     final = observe(run, "after_recovery", [result["exit_code"]])
     run.stages["after_race"]["claim_winners"] = len(winners)
     run.stages["after_stale_ack"]["stale_ack"] = refused
     run.expect("winners", len(winners), 1)
     run.expect("stale acknowledgement", refused, "refused")
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["receiver_tickets"]), ("done", 2, 1))
-    return f"{len(winners)} of 8 claimers won; attempt 1's late acknowledgement {refused}; {summary(run)}"
+    run.expect("outcome", pick(final, "sender_state", "attempts", "receiver_tickets"),
+               ("done", 2, 1))
+    return (f"{len(winners)} of 8 claimers won; attempt 1's late acknowledgement {refused};"
+            f" {summary(run)}")
 
 
-@scenario("article_1", "8 receiver processes get the same request: one ticket, one receipt, one answer")
+@scenario("article_1", "8 receiver processes get the same request: one ticket, one receipt,"
+          " one answer")
 def concurrent_receiver(run):
-    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD, "issued_at": 0, "now": 0})
+    request = json.dumps({"caller": CALLER, "key": KEY, "payload": PAYLOAD, "issued_at": 0,
+                          "now": 0})
     database = os.path.join(run.root, reliability.RECEIVER)
     observe(run, "before_race")
     with batch(run, [("reliability.py", "serve", "receive", database, "--wait")] * 8) as children:
@@ -252,9 +278,10 @@ def concurrent_receiver(run):
     run.inject("8 receiver processes released together, one request")
     final = observe(run, "after_race", [child.returncode for child in children])
     final.update(distinct_responses=len(responses), released_together=released)
-    run.expect("outcome", (final["receiver_tickets"], final["receiver_receipts"], len(responses)), (1, 1, 1))
-    return (f"8 receivers, one request: {final['receiver_tickets']} ticket, {final['receiver_receipts']} receipt, "
-            f"{len(responses)} distinct answer")
+    run.expect("outcome", pick(final, "receiver_tickets", "receiver_receipts", "distinct_responses"),
+               (1, 1, 1))
+    return (f"8 receivers, one request: {final['receiver_tickets']} ticket,"
+            f" {final['receiver_receipts']} receipt, {len(responses)} distinct answer")
 
 
 @scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry",
@@ -262,55 +289,63 @@ def concurrent_receiver(run):
 def before_external_effect(run):
     external_crash(run, "before_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["external_tickets"]), ("unknown", 1, 0))
+    run.expect("outcome", pick(final, "sender_state", "attempts", "external_tickets"),
+               ("unknown", 1, 0))
 
 
-@scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot tell",
-          cell=("after_external_effect", "external"))
+@scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot"
+          " tell", cell=("after_external_effect", "external"))
 def after_external_effect(run):
     external_crash(run, "after_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
-    run.expect("outcome", (final["sender_state"], final["attempts"], final["external_tickets"]), ("unknown", 1, 1))
+    run.expect("outcome", pick(final, "sender_state", "attempts", "external_tickets"),
+               ("unknown", 1, 1))
 
 
-@scenario("article_1", "counterexample: retrying an unknown call anyway leaves two external tickets")
+@scenario("article_1", "counterexample: retrying an unknown call anyway leaves two external"
+          " tickets")
 def unsafe_external_retry(run):
     external_crash(run, "after_external_effect")
-    connection = _open(run, reliability.SENDER)
     launch = tool_launcher(run)
     try:
-        answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY, start=launch)
+        with _connections(run, reliability.SENDER) as (connection,):
+            answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY,
+                                                            start=launch)
     finally:
-        connection.close()
         heard(launch.started, "child")
-    run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket {answer['ticket_id']}")
+    run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket"
+            f" {answer['ticket_id']}")
     run.inject("forced retry")
     final = observe(run, "after_unsafe_retry", [code])
     run.expect("duplicate", final["external_tickets"], 2)
 
 
-# --- what article 1's scenarios call ------------------------------------------------
+# --- what article 1's scenarios call ----------------------------------------------------------
 
 def lost_ack(run, mode):
     enqueue(run, mode)
     observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
-    run.expect("exit code of the receiver", run.stages["after_lost_ack"]["exit_codes"], [reliability.CRASH_EXIT])
-    run.expect("sender state", (final["sender_state"], final["attempts"]), ("done", 2))
+    run.expect("exit code of the receiver", run.stages["after_lost_ack"]["exit_codes"],
+               [reliability.CRASH_EXIT])
+    run.expect("sender state", pick(final, "sender_state", "attempts"), ("done", 2))
     return final
 
 
 def enqueue_crash(run, boundary, kept, retry):
-    """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry`` the retry's
-    answer; then a new process retries enqueue with the same key, as the upstream caller would, and delivers."""
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
+    """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry``
+    the retry's answer; then a new process retries enqueue with the same key, as the upstream
+    caller would, and delivers."""
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY,
+                                                     json.dumps(PAYLOAD), "--now", 0,
                                                      crash=boundary))
-    run.expect("what the crash kept", (first["sender_state"], first["intent_rows"]), kept)
+    run.expect("what the crash kept", pick(first, "sender_state", "intent_rows"), kept)
     status = enqueue(run, lane="recovery")
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     final["retry"] = status
     run.expect("exit code", first["exit_codes"], [reliability.CRASH_EXIT])
-    run.expect("outcome", (final["sender_state"], final["intent_rows"], final["receiver_tickets"]), ("done", 1, 1))
+    run.expect("outcome", pick(final, "sender_state", "intent_rows", "receiver_tickets"),
+               ("done", 1, 1))
     run.expect("retry status", status, retry)
 
 
@@ -321,17 +356,27 @@ def external_crash(run, boundary):
     return first
 
 
-def _open(run, name):
-    return reliability.connect(os.path.join(run.root, name))
+def pick(observation, *names):
+    """The named figures of an observation, in order, for run.expect()."""
+    return tuple(observation[name] for name in names)
+
+
+@contextlib.contextmanager
+def _connections(run, *names):
+    """The named databases of the scenario's root, open for the with block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(contextlib.closing(
+            reliability.connect(os.path.join(run.root, name)))) for name in names]
 
 
 def observe(run, stage, exit_codes=()):
-    """Record what the three databases hold now for the scenario's request (state None: no outbox row)."""
+    """Record what the three databases hold now for the scenario's request."""
     seen = {}
     for name in reliability.KINDS:
         with reader(os.path.join(run.root, name)) as connection:
             seen[name] = reliability.snapshot(connection)
-    rows = [row for row in seen[reliability.SENDER]["outbox"] if (row["caller"], row["key"]) == (CALLER, KEY)]
+    rows = [row for row in seen[reliability.SENDER]["outbox"]
+            if (row["caller"], row["key"]) == (CALLER, KEY)]
     # No outbox row yet: the request is "absent", as article 1's download records it.
     row = rows[0] if rows else {"state": "absent", "attempts": 0, "response": None}
     observation = {
@@ -343,21 +388,19 @@ def observe(run, stage, exit_codes=()):
         "response": row["response"], "exit_codes": list(exit_codes),
     }
     run.stages[stage] = observation
-    run.log("observer", f"{stage}: sender {row['state']} (attempts {row['attempts']}), "
-            f"receiver tickets {observation['receiver_tickets']}, receipts {observation['receiver_receipts']}, "
-            f"external tickets {observation['external_tickets']}")
+    run.log("observer", f"{stage}: sender {row['state']} (attempts {row['attempts']}), receiver"
+            f" tickets {observation['receiver_tickets']}, receipts"
+            f" {observation['receiver_receipts']}, external tickets"
+            f" {observation['external_tickets']}")
     return observation
 
 
 def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
     """The intent; modes "naive" and "mark_before" are idempotent intents that an UNSAFE
     receiver or an UNSAFE sender will handle."""
-    connection = _open(run, reliability.SENDER)
-    try:
+    with _connections(run, reliability.SENDER) as (connection,):
         status = reliability.enqueue(connection, CALLER, KEY, payload, now=0,
                                      mode="external" if mode == "external" else "idempotent")
-    finally:
-        connection.close()
     run.mode = mode
     run.log(lane, f"enqueue {KEY} ({mode}): {status}, intent and outbox row committed together")
     return status
@@ -366,15 +409,15 @@ def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
 def dispatch(run, now, crash=None, lane="sender"):
     """The driver as the sender: claim, call the tool child (dying at ``crash``), record;
     returns the child's exit codes."""
-    connection = _open(run, reliability.SENDER)
     launch, result = tool_launcher(run, crash, naive=run.mode == "naive"), None
     try:
-        result = reliability.dispatch(connection, run.root, now, start=launch)
+        with _connections(run, reliability.SENDER) as (connection,):
+            result = reliability.dispatch(connection, run.root, now, start=launch)
     finally:
-        connection.close()
         if result is not None:
             run.log(lane, f"tick {now}: claimed attempt {result['attempt']} and called the tool")
-        heard(launch.started, "child")  # what the tool child said, a crash included
+        # What the tool child said, a crash included.
+        heard(launch.started, "child")
     if result is None:
         run.log(lane, f"tick {now}: nothing due, nothing sent")
         return []
@@ -382,61 +425,69 @@ def dispatch(run, now, crash=None, lane="sender"):
         run.inject(f"{crash} (exit {result['exit_code']})")
     run.log("child", f"tool child exited {result['exit_code']}")
     response = result["response"]
-    answer = ("no valid response" if not response else f"a refusal ({response['error']})" if "error" in response
-              else f"ticket {response['ticket_id']}")
-    run.log(lane, f"got {answer}, {'recorded done' if result['acknowledged'] else 'nothing recorded as done'}")
+    if not response:
+        answer = "no valid response"
+    else:
+        answer = (f"a refusal ({response['error']})" if "error" in response
+                  else f"ticket {response['ticket_id']}")
+    done = "recorded done" if result["acknowledged"] else "nothing recorded as done"
+    run.log(lane, f"got {answer}, {done}")
     return [result["exit_code"]]
 
 
 def sender_child(run, *args, crash):
-    """A sender that dies for real: the module's own CLI in a child process, --crash at a boundary."""
+    """A sender that dies for real: the module's own CLI in a child process, --crash at a
+    boundary."""
     code, _ = run_child(run, "reliability.py", args[0], run.root, *args[1:], "--crash", crash)
     run.log("sender", f"sender process ran {args[0]} to {crash} and exited {code}")
     run.inject(f"{crash} (exit {code})")
     return [code]
 
 
-# --- beyond article 1: leaving unknown, and receipts that are not kept forever --------
+# --- beyond article 1: leaving unknown, and receipts that are not kept forever --------------
 
-@scenario("open_ends", "unknown after the tool acted: the tool's own records settle it as done, no second call")
+@scenario("open_ends", "unknown after the tool acted: the tool's own records settle it as done,"
+          " no second call")
 def reconcile_found(run):
     external_crash(run, "after_external_effect")
-    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
-    with stack:
+    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         result = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 11: reconcile looks the key up in the tool: {result['status']}")
     run.inject("reconcile")
     observe(run, "after_reconcile")
     final = observe(run, "after_restart", dispatch(run, 12, lane="recovery"))
-    run.expect("settled from the tool's records", (final["sender_state"], final["attempts"], final["external_tickets"],
-                                                   final["response"]["ticket_id"]), ("done", 1, 1, 1))
+    run.expect("settled from the tool's records",
+               pick(final, "sender_state", "attempts", "external_tickets")
+               + (final["response"]["ticket_id"],), ("done", 1, 1, 1))
 
 
-@scenario("open_ends", "unknown before the tool acted: absence proven once nobody can act, retried once")
+@scenario("open_ends", "unknown before the tool acted: absence proven once nobody can act,"
+          " retried once")
 def reconcile_absent(run):
     external_crash(run, "before_external_effect")
-    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
-    with stack:
+    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         early = reliability.reconcile(sender, tool, CALLER, KEY, 5)
         late = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 5: reconcile says {early['status']} (the lease runs to tick 10)")
-    run.log("recovery", f"tick 11: reconcile says {late['status']} (lease over, processes gone, no ticket)")
+    run.log("recovery", f"tick 11: reconcile says {late['status']} (lease over, processes gone,"
+            " no ticket)")
     run.inject("reconcile")
     observe(run, "after_reconcile")["reconciled"] = [early["status"], late["status"]]
     final = observe(run, "after_retry", dispatch(run, 11, lane="recovery"))
     run.expect("reconcile", [early["status"], late["status"]], ["unknown", "pending"])
-    run.expect("one retry, one ticket", (final["sender_state"], final["attempts"], final["external_tickets"]),
+    run.expect("one retry, one ticket", pick(final, "sender_state", "attempts", "external_tickets"),
                ("done", 2, 1))
 
 
-@scenario("open_ends", "a person settles an unknown row: decision and audit row in one transaction, never rewritten")
+@scenario("open_ends", "a person settles an unknown row: decision and audit row in one"
+          " transaction, never rewritten")
 def manual_resolution(run):
     external_crash(run, "after_external_effect")
-    stack, (sender, tool) = _with_connections(run, reliability.SENDER, reliability.EXTERNAL)
-    with stack:
+    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         evidence = reliability.lookup_external(tool, CALLER, KEY)[0]
         result = reliability.resolve(sender, CALLER, KEY, "done", by="operator",
-                                     why="ticket seen in the tool's own interface", evidence=evidence)
+                                     why="ticket seen in the tool's own interface",
+                                     evidence=evidence)
         try:
             with reliability.transaction(sender):
                 sender.execute("UPDATE resolutions SET reason = 'edited later'")
@@ -444,33 +495,36 @@ def manual_resolution(run):
         except sqlite3.IntegrityError:
             rewrite = "refused"
         audit = sender.execute("SELECT decision, decided_by, attempt FROM resolutions").fetchall()
-    run.log("recovery", f"operator resolves as done with ticket {evidence['ticket_id']}; rewriting the audit row: "
-            f"{rewrite}")
+    run.log("recovery", f"operator resolves as done with ticket {evidence['ticket_id']};"
+            f" rewriting the audit row: {rewrite}")
     run.inject("resolve by hand")
     final = observe(run, "after_resolution")
     final.update(decisions=[list(row) for row in audit], audit_rewrite=rewrite)
-    run.expect("resolved", (result["status"], final["sender_state"], final["external_tickets"]), ("done", "done", 1))
+    run.expect("resolved", (result["status"],) + pick(final, "sender_state", "external_tickets"),
+               ("done", "done", 1))
     run.expect("audit", (len(audit), rewrite), (1, "refused"))
 
 
-@scenario("open_ends", "receipts purged with a low-water mark: the late replay is refused as expired, 1 ticket")
+@scenario("open_ends", "receipts purged with a low-water mark: the late replay is refused as"
+          " expired, 1 ticket")
 def late_replay_after_purge(run):
     final = late_replay(run, lambda receiver: reliability.purge(receiver, 100, 50))
-    run.expect("refused, not repeated", (final["sender_state"], final["response"]["error"], final["receiver_tickets"]),
-               ("blocked", "expired", 1))
+    run.expect("refused, not repeated", (final["sender_state"], final["response"]["error"],
+                                         final["receiver_tickets"]), ("blocked", "expired", 1))
 
 
-@scenario("open_ends", "counterexample: receipts deleted without the mark, the late replay issues a second ticket")
+@scenario("open_ends", "counterexample: receipts deleted without the mark, the late replay"
+          " issues a second ticket")
 def late_replay_without_policy(run):
-    final = late_replay(run, lambda receiver: {"deleted": reliability.unsafe_delete_receipts(receiver, 50)})
-    run.expect("duplicated", (final["sender_state"], final["receiver_tickets"]), ("done", 2))
+    final = late_replay(run, lambda receiver: {
+        "deleted": reliability.unsafe_delete_receipts(receiver, 50)})
+    run.expect("duplicated", pick(final, "sender_state", "receiver_tickets"), ("done", 2))
 
 
 def late_replay(run, purge):
     enqueue(run)
     observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
-    stack, (receiver,) = _with_connections(run, reliability.RECEIVER)
-    with stack:
+    with _connections(run, reliability.RECEIVER) as (receiver,):
         purged = purge(receiver)
     run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
     run.inject("purge" if "low_water" in purged else "receipts deleted")
@@ -478,24 +532,15 @@ def late_replay(run, purge):
     return observe(run, "after_late_replay", dispatch(run, 100, lane="recovery"))
 
 
-def _with_connections(run, *names):
-    """Open the named databases of the scenario's root (closed again by the caller's with)."""
-    stack = contextlib.ExitStack()
-    connections = []
-    for name in names:
-        connection = _open(run, name)
-        stack.callback(connection.close)
-        connections.append(connection)
-    return stack, connections
-
-
-# --- article 7: preconditions.py ---------------------------------------------------------
+# --- article 7: preconditions.py ------------------------------------------------------------
 # The article's initial state, A = 10 and B = 0 at revision 1, and its plan: 3 from A to B.
 
-@scenario("article_7", "unsafe check-then-act: the plan is checked, B changes, the old plan is applied")
+@scenario("article_7", "unsafe check-then-act: the plan is checked, B changes, the old plan is"
+          " applied")
 def unsafe_check_then_act(run):
     transfer_start(run)
-    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1", json.dumps(PLAN))
+    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1",
+                                       json.dumps(PLAN))
     final = transfer_state(run, "after_go", status=result["status"], exit_code=code)
     run.expect("handshake", ready, "READY")
     run.expect("the bug", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
@@ -504,9 +549,10 @@ def unsafe_check_then_act(run):
 @scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
 def safe_stale_rejected(run):
     transfer_start(run)
-    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0, "--wait")
-    final = transfer_state(run, "after_go", status=result["status"], observed=result.get("observed"),
-                           exit_code=code)
+    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now",
+                                       0, "--wait")
+    final = transfer_state(run, "after_go", status=result["status"],
+                           observed=result.get("observed"), exit_code=code)
     run.expect("handshake", ready, "READY")
     run.expect("stale", (result["status"], result.get("observed")), ("stale", {"A": 1, "B": 2}))
     run.expect("nothing moved", (final["quantities"], final["effects"]), ({"A": 10, "B": 2}, 0))
@@ -526,7 +572,8 @@ def lost_ack_replay(run):
     return f"{first['status']}, then the same op {retry['status']}: {summary(run)}"
 
 
-@scenario("article_7", "after stale, a refreshed plan under the old ID is conflict; under a new ID it applies")
+@scenario("article_7", "after stale, a refreshed plan under the old ID is conflict; under a new"
+          " ID it applies")
 def replan_new_id(run):
     transfer_start(run)
     change(run, "B", 2)
@@ -537,10 +584,11 @@ def replan_new_id(run):
     transfer_state(run, "after_same_id", status=same_id["status"])
     new_id = execute(run, "job-2", replanned, lane="planner")
     final = transfer_state(run, "after_new_id", status=new_id["status"])
-    run.expect("statuses", (first["status"], same_id["status"], new_id["status"]), ("stale", "conflict", "applied"))
+    run.expect("statuses", (first["status"], same_id["status"], new_id["status"]),
+               ("stale", "conflict", "applied"))
     run.expect("one effect", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
-    return (f"{first['status']}; the new plan under job-1 {same_id['status']}, under job-2 {new_id['status']}: "
-            f"{summary(run)}")
+    return (f"{first['status']}; the new plan under job-1 {same_id['status']}, under job-2"
+            f" {new_id['status']}: {summary(run)}")
 
 
 @scenario("article_7", "ABA: A goes 10 -> 9 -> 10, its revision is 3, the old plan is stale")
@@ -549,29 +597,33 @@ def aba_revision(run):
     change(run, "A", -1)
     change(run, "A", 1)
     result = execute(run, "job-1")
-    final = transfer_state(run, "after_execute", status=result["status"], observed=result.get("observed"))
+    final = transfer_state(run, "after_execute", status=result["status"],
+                           observed=result.get("observed"))
     run.expect("A looks unchanged", (final["quantities"]["A"], final["revisions"]["A"]), (10, 3))
     run.expect("stale", (result["status"], final["effects"]), ("stale", 0))
-    return f"A = {final['quantities']['A']} again but at revision {final['revisions']['A']}: {summary(run)}"
+    return (f"A = {final['quantities']['A']} again but at revision {final['revisions']['A']}:"
+            f" {summary(run)}")
 
 
 @scenario("article_7", "os._exit at three boundaries (71, 72, 73); each retry from a new process")
 def crash_points(run):
     for boundary in preconditions.EXIT_CODES:
-        run.db = os.path.join(run.dir, boundary + ".db")  # a fresh database per boundary
+        # A fresh database per boundary.
+        run.db = os.path.join(run.dir, boundary + ".db")
         transfer_start(run)
-        code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
-                            "--crash", boundary)
+        code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
+                            "--now", 0, "--crash", boundary)
         run.log("executor", f"child ran to {boundary} and exited {code}")
         run.inject(f"{boundary} (exit {code})")
         crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
-        retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
-                                      "--now", 0)
+        retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
+                                      json.dumps(PLAN), "--now", 0)
         run.log("retry", f"new process retries job-1: {retry['status']}")
-        final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"], exit_code=retry_code)
+        final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"],
+                               exit_code=retry_code)
         run.expect(f"{boundary} exit code", code, preconditions.EXIT_CODES[boundary])
         committed = boundary == "after_commit"
-        run.expect(f"{boundary} survivors", (crashed["quantities"], crashed["effects"], crashed["receipts"]),
+        run.expect(f"{boundary} survivors", pick(crashed, "quantities", "effects", "receipts"),
                    ({"A": 7, "B": 3}, 1, 1) if committed else ({"A": 10, "B": 0}, 0, 0))
         run.expect(f"{boundary} retry", (retry["status"], final["effects"]),
                    ("replayed" if committed else "applied", 1))
@@ -579,36 +631,42 @@ def crash_points(run):
     return f"retries after 71, 72, 73: {', '.join(retries)}; {summary(run)}"
 
 
-@scenario("article_7", "a stale rejection is committed, then the child exits; the retry reads it back")
+@scenario("article_7", "a stale rejection is committed, then the child exits; the retry reads it"
+          " back")
 def stale_rejection_durable(run):
     transfer_start(run)
     change(run, "B", 2)
-    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
-                        "--crash", "after_commit")
+    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
+                        "--now", 0, "--crash", "after_commit")
     run.log("executor", f"child stored its stale rejection and exited {code}")
     run.inject(f"after_commit (exit {code})")
     transfer_state(run, "after_crash", exit_code=code)
-    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
+    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
+                                  json.dumps(PLAN), "--now", 0)
     stored = retry.get("result", {}).get("status")
     run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
-    final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored, exit_code=retry_code)
+    final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored,
+                           exit_code=retry_code)
     run.expect("exit code", code, preconditions.EXIT_CODES["after_commit"])
-    run.expect("replayed rejection", (retry["status"], stored, final["effects"]), ("replayed", "stale", 0))
-    return f"{stored} stored, then exit {code}; the retry: {retry['status']} {stored}; {summary(run)}"
+    run.expect("replayed rejection", (retry["status"], stored, final["effects"]),
+               ("replayed", "stale", 0))
+    return (f"{stored} stored, then exit {code}; the retry: {retry['status']} {stored};"
+            f" {summary(run)}")
 
 
-@scenario("article_7", "test-only triggers abort the destination update, then the receipt: nothing half-applied")
+@scenario("article_7", "test-only triggers abort the destination update, then the receipt:"
+          " nothing half-applied")
 def trigger_faults(run):
     transfer_start(run)
     triggers = {
-        "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources WHEN NEW.name = 'B'"
+        "destination_update": "CREATE TRIGGER fault BEFORE UPDATE ON resources"
+                              " WHEN NEW.name = 'B'"
                               " BEGIN SELECT RAISE(ABORT, 'injected destination fault'); END",
         "receipt_insert": "CREATE TRIGGER fault BEFORE INSERT ON receipt"
                           " BEGIN SELECT RAISE(ABORT, 'injected receipt fault'); END",
     }
     for where, sql in triggers.items():
-        connection = preconditions.connect(run.db)
-        try:
+        with contextlib.closing(preconditions.connect(run.db)) as connection:
             connection.execute(sql)
             try:
                 preconditions.execute(connection, "job-1", PLAN, issued_at=0, now=0)
@@ -616,20 +674,19 @@ def trigger_faults(run):
             except sqlite3.DatabaseError as caught:
                 error = type(caught).__name__
             connection.execute("DROP TRIGGER fault")
-        finally:
-            connection.close()
         run.log("parent", f"trigger on {where}: execute raised {error}")
         run.inject(f"trigger on {where}")
         final = transfer_state(run, f"{where}_fault", error=error)
         run.expect(f"{where} raised", error is not None, True)
-        run.expect(f"{where} nothing half-applied", (final["quantities"], final["revisions"], final["effects"],
-                                                     final["receipts"]),
+        run.expect(f"{where} nothing half-applied",
+                   pick(final, "quantities", "revisions", "effects", "receipts"),
                    ({"A": 10, "B": 0}, {"A": 1, "B": 1}, 0, 0))
     errors = [run.stages[f"{where}_fault"]["error"] for where in triggers]
     return f"both faults raised {', '.join(map(str, errors))}, nothing half-applied: {summary(run)}"
 
 
-@scenario("article_7", "16 different IDs with the same snapshot from 8 threads: 1 applied, 15 stale")
+@scenario("article_7", "16 different IDs with the same snapshot from 8 threads: 1 applied,"
+          " 15 stale")
 def concurrent_distinct_ops(run):
     transfer_start(run)
     race = threaded(run, [f"job-{i}" for i in range(16)])
@@ -647,16 +704,18 @@ def concurrent_same_op(run):
     run.expect("one effect", final["effects"], 1)
 
 
-@scenario("article_7", "counterexample: C changes but the plan declared only A and B, so it applies")
+@scenario("article_7", "counterexample: C changes but the plan declared only A and B, so it"
+          " applies")
 def undeclared_dependency(run):
     transfer_start(run, A=10, B=0, C=5)
     change(run, "C", -1)
     result = execute(run, "job-1")
     final = transfer_state(run, "after_execute", status=result["status"])
-    run.expect("applies", (result["status"], final["quantities"]), ("applied", {"A": 7, "B": 3, "C": 4}))
+    run.expect("applies", (result["status"], final["quantities"]),
+               ("applied", {"A": 7, "B": 3, "C": 4}))
 
 
-# --- what article 7's scenarios call ----------------------------------------------
+# --- what article 7's scenarios call ----------------------------------------------------------
 
 def transfer_state(run, stage, **extra):
     """Record quantities, revisions, effects and receipts of the transfer database now."""
@@ -667,23 +726,21 @@ def transfer_state(run, stage, **extra):
                    "revisions": {n: r["revision"] for n, r in resources.items()},
                    "effects": seen["effects"], "receipts": seen["receipts"], **extra}
     run.stages[stage] = observation
-    run.log("observer", f"{stage}: " + ", ".join(f"{n} = {r['quantity']}@{r['revision']}"
-                                                for n, r in resources.items())
-            + f", effects {seen['effects']}, receipts {seen['receipts']}")
+    held = ", ".join(f"{n} = {r['quantity']}@{r['revision']}" for n, r in resources.items())
+    run.log("observer", f"{stage}: {held}, effects {seen['effects']}, receipts"
+            f" {seen['receipts']}")
     return observation
 
 
 def transfer_start(run, **resources):
-    preconditions.init(run.db, resources or {"A": 10, "B": 0})
-    run.log("parent", "start: " + ", ".join(f"{n} = {q}@1" for n, q in (resources or {"A": 10, "B": 0}).items()))
+    resources = resources or {"A": 10, "B": 0}
+    preconditions.init(run.db, resources)
+    run.log("parent", "start: " + ", ".join(f"{n} = {q}@1" for n, q in resources.items()))
 
 
 def execute(run, op, command=PLAN, lane="parent"):
-    connection = preconditions.connect(run.db)
-    try:
+    with contextlib.closing(preconditions.connect(run.db)) as connection:
         result = preconditions.execute(connection, op, command, issued_at=0, now=0)
-    finally:
-        connection.close()
     run.log(lane, f"execute {op} expecting {command['expected']}: {result['status']}")
     return result
 
@@ -691,11 +748,9 @@ def execute(run, op, command=PLAN, lane="parent"):
 def change(run, name, delta, lane="parent", inject=True):
     """Another business write, under an op id of its own."""
     run.changes = getattr(run, "changes", 0) + 1
-    connection = preconditions.connect(run.db)
-    try:
-        result = preconditions.change(connection, f"change-{run.changes}", name, delta, issued_at=0, now=0)
-    finally:
-        connection.close()
+    with contextlib.closing(preconditions.connect(run.db)) as connection:
+        result = preconditions.change(connection, f"change-{run.changes}", name, delta,
+                                      issued_at=0, now=0)
     run.log(lane, f"another write: {name} {delta:+d}")
     if inject:
         run.inject(f"{name} {delta:+d}")
@@ -722,18 +777,17 @@ def race_in_threads(db, ops):
     statuses counted, and how many threads the barrier released together.
     """
     statuses, released, lock = [], [], threading.Lock()
-    barrier = threading.Barrier(8, timeout=WATCHDOG)  # the time-out only stops a hung run
+    # The time-out only stops a hung run.
+    barrier = threading.Barrier(8, timeout=WATCHDOG)
 
     def worker(mine):
-        connection = preconditions.connect(db)
-        try:
-            released.append(barrier.wait())  # each thread gets its own index 0..7
+        with contextlib.closing(preconditions.connect(db)) as connection:
+            # Each thread gets its own index, 0 to 7.
+            released.append(barrier.wait())
             for op in mine:
                 status = preconditions.execute(connection, op, PLAN, issued_at=0, now=0)["status"]
                 with lock:
                     statuses.append(status)
-        finally:
-            connection.close()
 
     threads = [threading.Thread(target=worker, args=(ops[i::8],)) for i in range(8)]
     for thread in threads:
@@ -745,21 +799,23 @@ def race_in_threads(db, ops):
 
 
 def threaded(run, ops):
-    """The race in threads, run in a process of its own where fork is used: a process
-    that has had threads must not fork again (Python 3.12 warns, and rightly)."""
-    race = race_in_threads(run.db, ops) if not USE_FORK else run_forked(race_in_threads, run.db, ops)
-    run.log("parent", f"8 threads released together ({race['released_together']} at the barrier), "
-            f"{len(ops)} submissions: {race['statuses']}")
+    """The race in threads, run in a process of its own where fork is used: a process that has
+    had threads must not fork again (Python 3.12 warns, and rightly)."""
+    race = (run_forked(race_in_threads, run.db, ops) if USE_FORK
+            else race_in_threads(run.db, ops))
+    run.log("parent", f"8 threads released together ({race['released_together']} at the"
+            f" barrier), {len(ops)} submissions: {race['statuses']}")
     run.inject(f"8 threads released together, {len(ops)} submissions")
     run.expect("threads released together by the barrier", race["released_together"], 8)
     return race
 
 
-# --- the crash matrix: every boundary of both modules, every mode it applies to -------
+# --- the crash matrix: every boundary of both modules, every mode it applies to ---------------
 
 def matrix_modes(boundary):
-    """The deliveries in which a reliability.py boundary is reached, from the process that owns it:
-    the idempotent receiver and the external tool, and the UNSAFE baselines where they own it."""
+    """The deliveries in which a reliability.py boundary is reached, from the process that owns
+    it: the idempotent receiver and the external tool, and the UNSAFE baselines where they own
+    it."""
     return {"enqueue": ("idempotent", "external"), "dispatch": ("idempotent", "external"),
             "receiver": ("idempotent", "naive"), "external": ("external",),
             "unsafe-dispatch-mark-before": ("mark_before",)}[reliability.BOUNDARIES[boundary]]
@@ -770,9 +826,10 @@ def delivery_cell(run, boundary, mode):
     fresh_root(run, os.path.join(run.dir, mode))
     owner = reliability.BOUNDARIES[boundary]
     if owner == "enqueue":
-        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0, "--mode", mode,
-                             crash=boundary)
-        enqueue(run, mode, lane="recovery")  # the upstream caller retries with the same key
+        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
+                             "--mode", mode, crash=boundary)
+        # The upstream caller retries with the same key.
+        enqueue(run, mode, lane="recovery")
     else:
         enqueue(run, mode)
         if owner in ("receiver", "external"):
@@ -786,24 +843,26 @@ def delivery_cell(run, boundary, mode):
 
 def as_cell(mode, codes, final):
     """A matrix cell: the crash's exit code and what the last observation holds."""
-    return {"exit_code": codes[0], "sender_state": final["sender_state"], "attempts": final["attempts"],
-            "tickets": final["external_tickets" if mode == "external" else "receiver_tickets"]}
+    tickets = final["external_tickets" if mode == "external" else "receiver_tickets"]
+    return {"exit_code": codes[0], "sender_state": final["sender_state"],
+            "attempts": final["attempts"], "tickets": tickets}
 
 
 def expect_cell(run, mode, cell):
     """The invariant of a delivery mode after a crash at any boundary and a recovery."""
-    tickets = cell["tickets"]
+    state, tickets = cell["sender_state"], cell["tickets"]
     run.expect(f"{mode}: the crash happened", cell["exit_code"], reliability.CRASH_EXIT)
     if mode == "idempotent":
-        run.expect(f"{mode}: exactly once", (cell["sender_state"], tickets), ("done", 1))
+        run.expect(f"{mode}: exactly once", (state, tickets), ("done", 1))
     elif mode == "naive":
-        run.expect(f"{mode}: delivered, perhaps twice", (cell["sender_state"], tickets in (1, 2)), ("done", True))
+        run.expect(f"{mode}: delivered, perhaps twice", (state, tickets in (1, 2)), ("done", True))
     elif mode == "external":
-        run.expect(f"{mode}: never retried automatically", (cell["attempts"], tickets <= 1), (1, True))
+        run.expect(f"{mode}: never retried automatically", (cell["attempts"], tickets <= 1),
+                   (1, True))
         run.expect(f"{mode}: done only with its ticket, else unknown",
-                   cell["sender_state"] == "unknown" or (cell["sender_state"], tickets) == ("done", 1), True)
+                   state == "unknown" or (state, tickets) == ("done", 1), True)
     else:
-        run.expect(f"{mode}: the task is lost", (cell["sender_state"], tickets), ("done", 0))
+        run.expect(f"{mode}: the task is lost", (state, tickets), ("done", 0))
 
 
 def transfer_cell(run, boundary, kind):
@@ -812,10 +871,11 @@ def transfer_cell(run, boundary, kind):
     transfer_start(run)
     if kind == "stale":
         change(run, "B", 2)
-    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0,
-                        "--crash", boundary)
+    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
+                        "--now", 0, "--crash", boundary)
     crashed = transfer_state(run, f"{kind}.crashed")
-    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN), "--now", 0)
+    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
+                                  json.dumps(PLAN), "--now", 0)
     stored = retry.get("result", retry)["status"]
     final = transfer_state(run, f"{kind}.retried")
     del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
@@ -823,7 +883,9 @@ def transfer_cell(run, boundary, kind):
                         "retry": retry["status"], "outcome": stored, "effects": final["effects"]}
     run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
     committed = boundary == "after_commit"
-    run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"] - (kind == "stale")),
+    # A stale plan's receipt of the change before it does not count.
+    run.expect(f"{kind}: all or nothing", (crashed["effects"],
+                                           crashed["receipts"] - (kind == "stale")),
                (int(committed and kind == "fresh"), int(committed)))
     run.expect(f"{kind}: the retry answers", (retry_code, retry["status"], stored),
                (0, "replayed" if committed else stored, "applied" if kind == "fresh" else "stale"))
@@ -838,15 +900,23 @@ def _matrix_scenario(function, boundary, variants):
 
 
 for _boundary in (reliability.BOUNDARIES if reliability is not None else ()):
-    # A cell an article scenario already is comes from that run (see merge_cells), not a second one.
+    # A cell an article scenario already is comes from that run (see merge_cells), not a
+    # second one.
+    _modes = [mode for mode in matrix_modes(_boundary) if (_boundary, mode) not in COVERS]
     SCENARIOS[f"reliability/{_boundary}"] = (
         "crash_matrix", f"crash at {_boundary}: " + ", ".join(matrix_modes(_boundary)),
-        _matrix_scenario(delivery_cell, _boundary,
-                         [mode for mode in matrix_modes(_boundary) if (_boundary, mode) not in COVERS]))
+        _matrix_scenario(delivery_cell, _boundary, _modes))
+for _boundary in (preconditions.EXIT_CODES if preconditions is not None else ()):
+    # Only the commit of a stored rejection passes after_commit on the stale path.
+    _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
+    SCENARIOS[f"preconditions/{_boundary}"] = (
+        "crash_matrix", f"crash at {_boundary}: " + ", ".join(f"{k} plan" for k in _kinds),
+        _matrix_scenario(transfer_cell, _boundary, _kinds))
 
 
 def merge_cells(runs):
-    """Fill each matrix row with the cells its covering article scenarios observed, checked alike."""
+    """Fill each matrix row with the cells its covering article scenarios observed, checked
+    alike."""
     by_name = {run.name: run for run in runs}
     for (boundary, mode), name in COVERS.items():
         row, source = by_name.get(f"reliability/{boundary}"), by_name.get(name)
@@ -865,27 +935,26 @@ def merge_cells(runs):
             order = matrix_modes(run.name.split("/", 1)[1])
             run.stages = {mode: run.stages[mode] for mode in order if mode in run.stages}
     return runs
-for _boundary in (preconditions.EXIT_CODES if preconditions is not None else ()):
-    # Only the commit of a stored rejection passes after_commit on the stale path.
-    _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
-    SCENARIOS[f"preconditions/{_boundary}"] = (
-        "crash_matrix", f"crash at {_boundary}: " + ", ".join(f"{k} plan" for k in _kinds),
-        _matrix_scenario(transfer_cell, _boundary, _kinds))
 
 
-# --- one scenario run ---------------------------------------------------------------
+# --- the runner: one scenario in its own folder, and the workers that share them -----------
 
 class Run:
     """A scenario's directory, its observed stages, its invariant failures and its timeline."""
 
     def __init__(self, name, directory):
         self.name, self.dir = name, directory
-        self.root = directory  # reliability's three databases live here
-        self.db = os.path.join(directory, "transfer.db")  # preconditions' database
+        # Reliability's three databases live here.
+        self.root = directory
+        # Preconditions' database.
+        self.db = os.path.join(directory, "transfer.db")
         self.stages, self.failures, self.events, self.integrity, self.injected = {}, [], [], {}, []
-        self.mode = None  # the delivery mode of the scenario's request, for its summary
-        self.headline = None  # what the scenario says on its console line, if it says more than summary()
-        self.spawned = 0  # children started, for the names of the files their stderr goes to
+        # The delivery mode of the scenario's request, for its summary.
+        self.mode = None
+        # What the scenario says on its console line, if it says more than summary().
+        self.headline = None
+        # Children started, for the names of the files their stderr goes to.
+        self.spawned = 0
 
     def log(self, lane, text):
         self.events.append((lane, text))
@@ -911,7 +980,8 @@ def run_scenario(name, base):
             fresh_root(run, run.root)
         run.headline = function(run)
         check_integrity(run)
-    except Exception as error:  # an invariant of the harness itself broke: report, never hide
+    # An invariant of the harness itself broke: report, never hide.
+    except Exception as error:
         run.failures.append(f"{type(error).__name__}: {error}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -930,7 +1000,8 @@ def check_integrity(run):
     """After the scenario's crashes, every database it left must pass SQLite's own checks."""
     for folder, _, files in sorted(os.walk(run.dir)):
         for path in sorted(os.path.join(folder, name) for name in files if name.endswith(".db")):
-            with reader(path) as connection:  # read-only: the directory goes next, so no checkpoint
+            # Read-only: the directory goes next, so no checkpoint.
+            with reader(path) as connection:
                 quick = connection.execute("PRAGMA quick_check").fetchall()
                 keys = connection.execute("PRAGMA foreign_key_check").fetchall()
             name = os.path.relpath(path, run.dir)
@@ -942,7 +1013,8 @@ def reader(path):
     """A read-only connection for the observer, closed on leaving ``with``: it sees what was
     committed, and its close never checkpoints, so observing does not change how the next
     process finds the files."""
-    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    escaped = os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    uri = "file://" + escaped
     return contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None))
 
 
@@ -1000,15 +1072,20 @@ def collect(pending):
                     text = pipe.read()
                 try:
                     finished.update(json.loads(text))
-                except ValueError:  # the worker died or failed: the scenarios it held say so below
+                # The worker died or failed: the scenarios it held say so below.
+                except ValueError:
                     pass
-            lost = {"failures": ["its worker died or failed before reporting (a traceback, if any, is above)"]}
-            pending["runs"] = [_revive(name, finished.get(name, lost)) for name in pending["names"]]
+            lost = {"failures": ["its worker died or failed before reporting (a traceback, if"
+                                 " any, is above)"]}
+            pending["runs"] = [_revive(name, finished.get(name, lost))
+                               for name in pending["names"]]
         return merge_cells(pending["runs"])
     finally:
-        for reader in readers:  # unread after an error: closing it lets a blocked worker end
+        # Unread after an error: closing it lets a blocked worker end.
+        for reader in readers:
             os.close(reader)
-        for pid, _ in pending["workers"]:  # reaped before the directory goes, whatever happened
+        # Reaped before the directory goes, whatever happened.
+        for pid, _ in pending["workers"]:
             os.waitpid(pid, 0)
         pending["workers"] = []
         shutil.rmtree(pending["base"], ignore_errors=True)
@@ -1021,11 +1098,11 @@ def _revive(name, state):
     return run
 
 
-# --- processes ----------------------------------------------------------------------
+# --- processes -------------------------------------------------------------------------------
 # A child is a real process either way.  Where os.fork exists, it is forked from this
-# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs
-# a few milliseconds instead of a fresh interpreter's ~30 ms.  --exec starts every
-# child as a fresh `python3 -I -S module.py ...` instead; the results are the same.
+# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs a few
+# milliseconds instead of a fresh interpreter's 30 or so.  --exec starts every child as a
+# fresh `python3 -I -S module.py ...` instead; the results are the same.
 
 
 def start(module, *args, run=None):
@@ -1041,13 +1118,17 @@ def start(module, *args, run=None):
         if USE_FORK:
             child = fork_start(MODULES[module], args, stderr=stderr)
         else:
-            child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module), *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)  # bytes: UTF-8
+            # Binary pipes: what crosses them is UTF-8 whatever the locale.
+            child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module),
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=stderr)
             child.readline = lambda: child.stdout.readline().decode("utf-8").rstrip("\n")
-            child.send = lambda text: (child.stdin.write(text.encode("utf-8")), child.stdin.flush())
+            child.send = lambda text: (child.stdin.write(text.encode("utf-8")),
+                                       child.stdin.flush())
     finally:
         if stderr is not None:
-            os.close(stderr)  # the child has its own copy
+            # The child has its own copy.
+            os.close(stderr)
     child.run, child.said = run, said
     return child
 
@@ -1065,7 +1146,8 @@ def tool_launcher(run, crash=None, naive=False):
         argv = list(argv)
         if naive:
             argv[1] = "unsafe-receive"
-        launch.started.append(start("reliability.py", *argv, *(["--crash", crash] if crash else []), run=run))
+        dies = ["--crash", crash] if crash else []
+        launch.started.append(start("reliability.py", *argv, *dies, run=run))
         return launch.started[-1]
     launch.started = []
     return launch
@@ -1109,7 +1191,8 @@ def race(children, request=None):
     for child in children:
         if request is not None:
             child.send(request + "\n")
-    ready = [child.readline() for child in children]  # each blocks until that child stands there
+    # Each readline() waits for that child's READY: it stands at the barrier.
+    ready = [child.readline() for child in children]
     if ready != ["READY"] * len(children):
         raise RuntimeError(f"the racers did not all reach the barrier: {ready}")
     for child in children:
@@ -1171,9 +1254,11 @@ class ForkedChild:
         if self._stdin is not None:
             try:
                 if input:
-                    os.write(self._stdin, input)  # requests are far below a pipe's buffer
+                    # Requests are far below a pipe's buffer.
+                    os.write(self._stdin, input)
             except BrokenPipeError:
-                pass  # the child died before reading: its exit code tells
+                # The child died before reading: its exit code tells.
+                pass
             self._close("_stdin")
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._stdout is not None:
@@ -1204,19 +1289,23 @@ def fork_start(module, argv, keep=(), stderr=None):
     """
     held = set()
     for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        with contextlib.suppress(OSError):  # the listing's own descriptor is gone already
-            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])  # (inode, device)
+        # The listing's own descriptor is gone already.
+        with contextlib.suppress(OSError):
+            # A file's identity: (inode, device).
+            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])
     for arg in argv:
         opened = [arg, arg + "-wal", arg + "-shm"]
         if os.path.isdir(arg):
-            with contextlib.suppress(OSError):  # unreadable: the child will say so
+            # Unreadable: the child will say so.
+            with contextlib.suppress(OSError):
                 opened = [os.path.join(arg, name) for name in os.listdir(arg)
                           if name.endswith((".db", ".db-wal", ".db-shm"))]
         for path in opened:
-            with contextlib.suppress(OSError, ValueError):  # not a file (or not a path at all): nothing held
+            # Not a file (or not a path at all): nothing held.
+            with contextlib.suppress(OSError, ValueError):
                 if os.stat(path)[1:3] in held:
-                    raise RuntimeError(f"fork_start: this process holds {path} open, and the child opens it;"
-                                       " close that connection before forking")
+                    raise RuntimeError(f"fork_start: this process holds {path} open, and the"
+                                       " child opens it; close that connection before forking")
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
 
@@ -1232,17 +1321,20 @@ def fork_start(module, argv, keep=(), stderr=None):
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-        if reliability is not None:  # a sender child that calls a tool forks that tool child the same way
+        # A sender child that calls a tool forks that tool child the same way.
+        if reliability is not None:
             reliability.start_child = start_tool
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
         try:
             code = module.main(list(argv))
-        except SystemExit as exit:  # argparse's usage error (exit 2)
+        # argparse's usage error: exit 2.
+        except SystemExit as exit:
             code = exit.code
         if code is None:
             code = 0
-        elif not isinstance(code, int):  # as sys.exit("text"): the text printed, exit 1
+        # As sys.exit("text"): the text printed, exit 1.
+        elif not isinstance(code, int):
             sys.stderr.write(f"{code}\n")
             code = 1
         return code
@@ -1257,25 +1349,57 @@ def fork(child):
     into the caller: 1 if it raises (its traceback on stderr, which os._exit would swallow).
     In the child Ctrl-C ends it quietly (the driver reports), and its random numbers are
     its own, so that siblings do not share the parent's back-off sequence."""
-    sys.stdout.flush()  # or the child would print what is buffered again
+    # Or the child would print what is buffered again.
+    sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # beyond/torture.py holds it back around a fork
+            # beyond/torture.py holds SIGINT back around a fork.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             random.seed()
             code = child()
         except BaseException:
             traceback.print_exc()
         finally:
-            for stream in (sys.stdout, sys.stderr):  # what the child wrote: os._exit flushes nothing
+            # What the child wrote: os._exit flushes nothing.
+            for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(code)
     return pid
 
+
+def fork_json(function, *args):
+    """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
+    reader, writer = os.pipe()
+
+    def child():
+        os.close(reader)
+        with os.fdopen(writer, "w", encoding="utf-8") as pipe:
+            json.dump(function(*args), pipe)
+        return 0
+    pid = fork(child)
+    os.close(writer)
+    return pid, reader
+
+
+def run_forked(function, *args):
+    """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it
+    failed)."""
+    pid, reader = fork_json(function, *args)
+    with os.fdopen(reader, encoding="utf-8") as pipe:
+        text = pipe.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0:
+        raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
+    return json.loads(text)
+
+
+
+# --- TEMPORARY: test helpers and the PostgreSQL harness, leaving for the tests and beyond/postgres
 
 def fork_main(module, argv, stdin=b"", at_ready=None):
     """``module.main(argv)`` in a child forked by fork_start, run to its end, for the tests:
@@ -1313,31 +1437,6 @@ def run_together(commands, stdin=b"", **options):
         return done
     finally:
         reap(children)
-
-
-def fork_json(function, *args):
-    """Run ``function(*args)`` in a forked child; return (pid, fd to read its result as JSON)."""
-    reader, writer = os.pipe()
-
-    def child():
-        os.close(reader)
-        with os.fdopen(writer, "w", encoding="utf-8") as pipe:
-            json.dump(function(*args), pipe)
-        return 0
-    pid = fork(child)
-    os.close(writer)
-    return pid, reader
-
-
-def run_forked(function, *args):
-    """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it failed)."""
-    pid, reader = fork_json(function, *args)
-    with os.fdopen(reader, encoding="utf-8") as pipe:
-        text = pipe.read()
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if code != 0:
-        raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
-    return json.loads(text)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1967,7 +2066,7 @@ def pg_sqlstate(session, statement):
     return session.value(f"SELECT pg_temp.sqlstate_of({pg_literal(statement.rstrip(';'))})")
 
 
-# --- results, comparison and the command line ------------------------------------------
+# --- results, comparison and the command line ----------------------------------------------
 
 def results_of(runs):
     results = {}
@@ -2020,14 +2119,16 @@ def summary(run, arrow="→"):
         return "no observation"
     if SCENARIOS[run.name][0] == "crash_matrix":
         if run.name.startswith("reliability/"):
-            return ", ".join(f"{mode} {cell['sender_state']} {cell['tickets']}" for mode, cell in run.stages.items())
-        return ", ".join(f"{kind} exit {cell['exit_code']}, retry {cell['retry']} {cell['outcome']}"
-                         for kind, cell in run.stages.items())
+            return ", ".join(f"{mode} {cell['sender_state']} {cell['tickets']}"
+                             for mode, cell in run.stages.items())
+        return ", ".join(f"{kind} exit {cell['exit_code']}, retry {cell['retry']}"
+                         f" {cell['outcome']}" for kind, cell in run.stages.items())
     first, last = stages[0], stages[-1]
     if "receiver_tickets" in last:
         counted = "external_tickets" if run.mode == "external" else "receiver_tickets"
-        return (f"{'external ' if counted == 'external_tickets' else ''}tickets {first[counted]} {arrow} "
-                f"{last[counted]}, {last['sender_state']}, attempts {last['attempts']}")
+        which = "external tickets" if counted == "external_tickets" else "tickets"
+        return (f"{which} {first[counted]} {arrow} {last[counted]}, {last['sender_state']},"
+                f" attempts {last['attempts']}")
     quantities = ", ".join(f"{n} = {q}" for n, q in last["quantities"].items())
     status = last.get("statuses") or last.get("status")
     if isinstance(status, dict):
@@ -2039,9 +2140,10 @@ def console_line(run, shown=("✓", "✗", "→")):
     """A run's line on the console: its verdict, its name, its figures and what was injected.
     Names are padded to the longest of their group, so the line is the same however many ran."""
     ok_mark, bad_mark, arrow = shown
-    width = max(len(name) for name, (group, _, _) in SCENARIOS.items() if group == SCENARIOS[run.name][0])
+    group = SCENARIOS[run.name][0]
+    width = max(len(name) for name, (other, _, _) in SCENARIOS.items() if other == group)
     figures = (run.headline or summary(run)).replace("→", arrow)
-    injected = "" if SCENARIOS[run.name][0] == "crash_matrix" else "; ".join(run.injected) or "no fault"
+    injected = "" if group == "crash_matrix" else "; ".join(run.injected) or "no fault"
     line = f"  {ok_mark if not run.failures else bad_mark} {run.name:{width}} {figures}"
     return line + (f"  [{injected}]" if injected else "")
 
@@ -2050,9 +2152,9 @@ def versions(out):
     """Where this ran, for the reader: on stderr only, never in the results."""
     print(f"Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}", file=out)
     if (reliability or preconditions).wal_reset_bug():
-        print(f"warning: SQLite {sqlite3.sqlite_version} has the WAL-reset race (3.7.0 to 3.51.2; fixed in "
-              "3.51.3, 3.50.7, 3.44.6). These experiments reproduce anyway, but see README.md before you "
-              "run many writers on it in production.", file=out)
+        print(f"warning: SQLite {sqlite3.sqlite_version} has the WAL-reset race (3.7.0 to 3.51.2;"
+              " fixed in 3.51.3, 3.50.7, 3.44.6). These experiments reproduce anyway, but see"
+              " README.md before you run many writers on it in production.", file=out)
 
 
 def marks(stream=None):
@@ -2072,7 +2174,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("run_experiment.py: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # its reader went away (| head): stop quietly, the exit flush too
+    # Its reader went away (| head): stop quietly, the exit flush too.
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
@@ -2087,8 +2190,9 @@ def _usable(args):
         refuse("neither reliability.py nor preconditions.py is next to this script")
     if args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
-        if os.path.isdir(args.output) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) \
-                or (os.path.exists(args.output) and not os.access(args.output, os.W_OK)):
+        writable = os.path.isdir(folder) and os.access(folder, os.W_OK) and not (
+            os.path.exists(args.output) and not os.access(args.output, os.W_OK))
+        if os.path.isdir(args.output) or not writable:
             refuse(f"--output {args.output}: not a writable file path")
     if args.check:
         try:
@@ -2107,12 +2211,15 @@ def _main(argv):
     parser.add_argument("--check", nargs="?", const=RESULTS, metavar="PATH",
                         help="compare with PATH (default: results.json next to this script)")
     parser.add_argument("--output", metavar="FILE", help="write the deterministic results to FILE")
-    parser.add_argument("--json", action="store_true", help="print the deterministic results to stdout")
+    parser.add_argument("--json", action="store_true",
+                        help="print the deterministic results to stdout")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
-    parser.add_argument("--explain", metavar="NAME", help="run one scenario and print its timeline")
+    parser.add_argument("--explain", metavar="NAME",
+                        help="run one scenario and print its timeline")
     parser.add_argument("--exec", action="store_true",
-                        help="start every child as a fresh interpreter instead of forking (slower, same results)")
+                        help="start every child as a fresh interpreter instead of forking"
+                        " (slower, same results)")
     args = parser.parse_args(argv)
     _usable(args)
     global USE_FORK
@@ -2129,10 +2236,12 @@ def _main(argv):
     if args.explain:
         return explain(run_all([args.explain])[0])
     names = args.only or names
-    for (boundary, _), name in COVERS.items():  # a matrix row's covered cells come from these runs
+    # A matrix row's covered cells come from these runs.
+    for (boundary, _), name in COVERS.items():
         if f"reliability/{boundary}" in names and name not in names:
             names.append(name)
-    names = [name for name in SCENARIOS if name in names]  # in article order, whatever the command line's
+    # In article order, whatever the command line's.
+    names = [name for name in SCENARIOS if name in names]
     versions(sys.stderr)
     out = sys.stderr if args.json else sys.stdout
     shown = marks(out)
@@ -2146,7 +2255,8 @@ def _main(argv):
         for failure in run.failures:
             print(f"      invariant failed: {failure}", file=out)
         if run.failures:
-            print(f"      (its timeline: python3 run_experiment.py --explain {run.name})", file=out)
+            print(f"      (its timeline: python3 run_experiment.py --explain {run.name})",
+                  file=out)
     failed = sum(bool(run.failures) for run in runs)
     print(f"{len(runs) - failed}/{len(runs)} scenarios hold their invariants", file=out)
     results = results_of(runs)
@@ -2159,7 +2269,8 @@ def _main(argv):
     if args.check:
         diffs = differences(compared(args.expected, names if args.only else None), results)
         for key, want, got in diffs:
-            print(f"  differs: {key}: expected {json.dumps(want)}, observed {json.dumps(got)}", file=out)
+            print(f"  differs: {key}: expected {json.dumps(want)}, observed {json.dumps(got)}",
+                  file=out)
         mismatched = {key.split(".")[1] for key, _, _ in diffs if "." in key}
         shown = "results.json" if args.check == RESULTS else args.check
         print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {shown}", file=out)
@@ -2181,5 +2292,6 @@ def explain(run):
 
 if __name__ == "__main__":
     status = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C after the verdict changes nothing
+    # A Ctrl-C after the verdict changes nothing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(status)
