@@ -1,0 +1,747 @@
+"""Tests of article1.sql, 第一篇 in PostgreSQL, against a real server.
+
+Run from the project root: ``python3 -m unittest beyond.postgres.test_article1``.  Each test has a
+database of its own on one throw-away server (harness.py); races release 16 psql clients
+together at a barrier checked in pg_locks, at each isolation level and at mixed ones, retrying
+40001 and 40P01 as README.md says; step tests compare every answer with reliability.py's.
+Without PostgreSQL they skip, and the run says so in one line.
+"""
+import contextlib
+import json
+import os
+import random
+import struct
+import sys
+import tempfile
+import types
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import reliability  # noqa: E402
+from beyond.postgres import harness  # noqa: E402
+from beyond.postgres.harness import (  # noqa: E402
+    CLIENTS, FILLER, LEVELS, MIXED, ROUNDS, SETTINGS, call, isolate, literal, query, race, value)
+
+CALLER = "agent"
+
+
+# === 第一篇 §3: one ticket per request ID, at every isolation level ============================
+
+class ReceiveTest(harness.TestCase):
+    """receive(): copies racing, late replays racing purges, a replay waiting on a purge."""
+
+    def test_16_copies_make_one_ticket_at_every_level_and_another_payload_conflicts(self):
+        racers = self.racers(MIXED)
+        for s, (setting, levels) in enumerate(SETTINGS.items()):
+            isolate(racers, levels)
+            for r in range(ROUNDS):
+                key, payload = f"copy-{s}-{r}", {"title": f"工单 {s}-{r}", "n": 1.0}
+                first, _ = race(self.session, racers, [receive(key, payload, r, r)] * CLIENTS)
+                text, digest = reliability.canonical(payload)
+                ticket = first[0]["response"]["ticket_id"]
+                response = {"caller": CALLER, "key": key, "digest": digest, "ticket_id": ticket}
+                self.assertEqual(first, [{"status": "ticket", "response": response}] * CLIENTS,
+                                 setting)
+                calls = [receive(key, payload if i < 8 else {"title": "other"}, r, r + 1)
+                         for i in range(CLIENTS)]
+                second, _ = race(self.session, racers, calls)
+                self.assertEqual(second, first[:8] + [{"status": "conflict"}] * 8, setting)
+                self.assertEqual(query(self.session, "SELECT t.id, t.payload, r.digest FROM"
+                                       " article1.tickets t JOIN article1.receipts r ON"
+                                       f" r.ticket_id = t.id WHERE t.key = {literal(key)}"),
+                                 [[str(ticket), text, digest]])
+        self.assertEqual(query(self.session, "SELECT (SELECT count(*) FROM article1.tickets),"
+                               " (SELECT count(*) FROM article1.receipts)"),
+                         [[str(len(SETTINGS) * ROUNDS)] * 2])
+
+    def test_late_replays_racing_purges_never_make_a_second_ticket_at_any_level(self):
+        # Purges and late replays released together, at each level and mixed: a replay is the
+        # stored ticket or expired, never a second ticket, and the mark never moves back.
+        racers = self.racers(MIXED)
+        payload = {"title": "late"}
+        for s, (setting, levels) in enumerate(SETTINGS.items()):
+            isolate(racers, levels)
+            for r in range(ROUNDS):
+                t, key = 10000 * (s + 1) + 1000 * r, f"late-{s}-{r}"
+                first = value(self.session, receive(key, payload, t, t))
+                query(self.session, filler(t, f"{s}-{r}"))
+                calls = [call("article1.purge", t + 500 + i + 1, 500) if i < 8 else
+                         receive(key, payload, t, t + 600) for i in range(CLIENTS)]
+                racing, _ = race(self.session, racers, calls)
+                purged = [a for a in racing[:8] if a["status"] == "purged"]
+                self.assertEqual(sum(a["deleted"] for a in purged), 1 + FILLER, setting)
+                for i, answer in enumerate(racing[:8]):
+                    if answer["status"] == "backwards":
+                        self.assertGreater(answer["low_water"], t + i + 1)
+                    else:
+                        self.assertEqual(answer, dict(answer, status="purged",
+                                                      low_water=t + i + 1))
+                for answer in racing[8:]:
+                    self.assertIn(answer, (first, {"status": "expired", "low_water": answer.get(
+                        "low_water")}), setting)
+                    self.assertTrue(answer == first or t < answer["low_water"] <= t + 8)
+                # Then late replays, and new keys issued before the mark: all expired.
+                calls = [receive(key if i < 12 else f"new-{s}-{r}-{i}", payload, t, t + 700)
+                         for i in range(CLIENTS)]
+                late, _ = race(self.session, racers, calls)
+                self.assertEqual(late, [{"status": "expired", "low_water": t + 8}] * CLIENTS)
+                self.assertEqual(value(self.session, "SELECT low_water FROM article1.retention"),
+                                 str(t + 8), "the highest mark, never moved back")
+                self.assertEqual(query(self.session, "SELECT count(*) FROM article1.tickets"
+                                       f" WHERE key = {literal(key)}"),
+                                 [["1"]], f"{setting}: one ticket, no second one")
+                self.assertEqual(query(self.session, "SELECT count(*) FROM article1.receipts"
+                                       f" WHERE tick < {t + 8}"), [["0"]])
+
+    def test_a_late_replay_waiting_on_a_purge_is_expired_or_40001_never_a_second_ticket(self):
+        # Deterministic: the purge holds the mark's row; the replay is seen waiting on it in
+        # pg_stat_activity, then the purge commits.  READ COMMITTED reads the new mark; the
+        # other levels took their snapshot before it and raise 40001, and the retry reads it.
+        purger = self.client()
+        for n, level in enumerate(LEVELS):
+            t, key = 100 * (n + 1), f"wait-{n}"
+            replayer = self.client(level)
+            pid = value(replayer, "SELECT pg_backend_pid()")
+            self.assertEqual(value(self.session, receive(key, {"n": n}, t, t))["status"], "ticket")
+            query(purger, "BEGIN; " + call("article1.purge", t + 10, 5))
+            harness.send(replayer, receive(key, {"n": n}, t, t + 20))
+            harness.wait_until(self.session, "SELECT wait_event_type = 'Lock' FROM"
+                                             f" pg_stat_activity WHERE pid = {pid}")
+            query(purger, "COMMIT")
+            answer = harness.reply(replayer)
+            if level == "read committed":
+                self.assertEqual((answer.state, harness.parsed(answer.rows[0][0])),
+                                 ("00000", {"status": "expired", "low_water": t + 5}))
+            else:
+                self.assertEqual(answer.state, "40001", level)
+            self.assertEqual(value(replayer, receive(key, {"n": n}, t, t + 20)),
+                             {"status": "expired", "low_water": t + 5}, level)
+            # A transaction whose snapshot predates the whole purge: 40001 as well.
+            if level != "read committed":
+                query(self.session, receive(f"{key}b", {"n": n}, t + 5, t + 5))
+                query(replayer, "BEGIN; SELECT 1")
+                query(purger, call("article1.purge", t + 16, 5))
+                late = receive(f"{key}b", {"n": n}, t + 5, t + 30)
+                self.assertEqual(harness.state_of(replayer, late), "40001")
+                query(replayer, "ROLLBACK")
+                self.assertEqual(value(replayer, late), {"status": "expired", "low_water": t + 11})
+        self.assertEqual(query(self.session, "SELECT key, count(*) FROM article1.tickets"
+                               " GROUP BY key HAVING count(*) > 1"), [])
+
+
+# === 第一篇 §2, §5: the sender's outbox, claimed by racing workers =============================
+
+class ClaimTest(harness.TestCase):
+    """enqueue(), claim() and acknowledge() racing, and claim()'s boundaries."""
+
+    def test_16_claimers_one_winner_per_attempt_unknown_never_reclaimed_late_acks_refused(self):
+        fixture, expected = [], {}
+        for r in range(ROUNDS):
+            t = 100 * (r + 1)
+            rows = {  # name: (mode, state, attempts, lease_until, issued_at, response, final)
+                "X": ("idempotent", "inflight", 12, t, t - 50, None, ("done", 13)),
+                "E": ("external", "inflight", 2, t - 1, t - 50, None, ("unknown", 2)),
+                "M": ("idempotent", "inflight", 10, t, t - 50, None, ("blocked", 10)),
+                "D": ("idempotent", "pending", 0, None, t - 50, None, ("blocked", 0)),
+                "U": ("external", "unknown", 1, t - 20, t - 50, None, ("unknown", 1)),
+                "B": ("idempotent", "blocked", 4, t - 20, t - 50, {"error": "fixture"},
+                      ("blocked", 4)),
+                "A": ("idempotent", "abandoned", 2, t - 20, t - 50, None, ("abandoned", 2)),
+                "F": ("idempotent", "pending", 0, None, 10 ** 12 + r, None, ("pending", 0)),
+            }
+            for name, (mode, state, attempts, lease, issued, response, final) in rows.items():
+                key = f"{name}-{r}"
+                text, digest = reliability.canonical({"n": key})
+                stored = '{"n":"tampered"}' if name == "D" else text
+                fixture.append(
+                    "INSERT INTO article1.requests VALUES"
+                    f" ('agent', {literal(key)}, {literal(mode)}, {literal(digest)},"
+                    f" {literal(stored)}, {issued}); INSERT INTO article1.outbox (caller, key,"
+                    " mode, state, attempts, lease_until, response) VALUES ('agent',"
+                    f" {literal(key)}, {literal(mode)}, {literal(state)}, {attempts},"
+                    f" {literal(lease)}, {literal(response)}::jsonb);")
+                expected[key] = final
+            # A person said retry at attempt 3, so X has 9 of its 10 attempts used.
+            fixture.append("INSERT INTO article1.resolutions (caller, key, attempt, decision,"
+                           f" decided_by, reason) VALUES ('agent', 'X-{r}', 3, 'retry', 'tester',"
+                           " 'fixture');")
+            expected[f"Y-{r}"] = ("done", 1)
+        query(self.session, "\n".join(fixture))
+        acks = [("X", 12), ("X", 3), ("X", 13), ("X", 13), ("Y", 1), ("Y", 0), ("E", 2), ("U", 1),
+                ("B", 4), ("A", 2), ("F", 0), ("M", 10), ("D", 0), ("X", 14), ("E", 3), ("Y", 2)]
+        racers = self.racers(MIXED)
+        for r in range(ROUNDS):
+            t = 100 * (r + 1)
+            calls = [call("article1.enqueue", CALLER, f"Y-{r}", {"n": f"Y-{r}"}, t)] * CLIENTS
+            enqueued, _ = race(self.session, racers, calls)
+            self.assertEqual(sorted(a["status"] for a in enqueued),
+                             ["accepted"] + ["duplicate"] * 15)
+            claimed, _ = race(self.session, racers,
+                              [call("article1.claim", t, 5000 + i) for i in range(CLIENTS)])
+            winners = {i: a for i, a in enumerate(claimed) if a["status"] == "claimed"}
+            self.assertEqual(sorted((a["key"], a["attempt"]) for a in winners.values()),
+                             [(f"X-{r}", 13), (f"Y-{r}", 1)], "one winner per due row")
+            self.assertEqual([a for a in claimed if a["status"] != "claimed"],
+                             [{"status": "nothing due", "now": t}] * 14)
+            for a in winners.values():
+                self.assertEqual((a["now"], a["mode"], json.loads(a["payload"])),
+                                 (t, "idempotent", {"n": a["key"]}))
+            calls = [call("article1.acknowledge", CALLER, f"{name}-{r}", attempt,
+                          response_of(self.session, f"{name}-{r}")) for name, attempt in acks]
+            acked, _ = race(self.session, racers, calls)
+            statuses = [a["status"] for a in acked]
+            # Both copies of the current attempt's acknowledgement are acknowledged: the second
+            # is a replay of the first; every other one changes nothing.
+            self.assertEqual(statuses, ["refused"] * 2 + ["acknowledged"] * 3 + ["refused"] * 11)
+            owner = next(5000 + i for i, a in winners.items() if a["key"] == f"X-{r}")
+            self.assertEqual(query(self.session, "SELECT lease_until, owner_pid FROM"
+                                   f" article1.outbox WHERE key = 'X-{r}'"),
+                             [[str(t + 10), str(owner)]])
+        rows = {key: (state, int(attempts)) for key, state, attempts in
+                query(self.session, "SELECT key, state, attempts FROM article1.outbox")}
+        self.assertEqual({key: rows[key] for key in expected}, expected)
+
+    def test_only_external_rows_before_the_claimed_one_become_unknown_at_their_lease_end(self):
+        # As reliability.claim: rows are parked on the way to the one claimed, in id order.
+        # The external row is unknown at its lease end exactly, never inside it, never later.
+        s = self.session
+        for key, mode in (("a", "idempotent"), ("b", "external"), ("c", "external")):
+            value(s, call("article1.enqueue", CALLER, key, {"k": key}, 0, mode))
+        self.assertEqual([value(s, call("article1.claim", 0, 1))["key"] for _ in "abc"],
+                         ["a", "b", "c"])
+        self.assertEqual(value(s, call("article1.claim", 9, 1)),
+                         {"status": "nothing due", "now": 9})
+        self.assertEqual(states(s), {"a": ("inflight", 1), "b": ("inflight", 1),
+                                     "c": ("inflight", 1)}, "inside the lease")
+        claimed = value(s, call("article1.claim", 10, 1))
+        self.assertEqual((claimed["key"], claimed["attempt"]), ("a", 2))
+        self.assertEqual(states(s), {"a": ("inflight", 2), "b": ("inflight", 1),
+                                     "c": ("inflight", 1)}, "b and c lie after the claimed row")
+        self.assertEqual(value(s, call("article1.claim", 10, 1)), {"status": "nothing due",
+                                                                   "now": 10})
+        self.assertEqual(states(s), {"a": ("inflight", 2), "b": ("unknown", 1),
+                                     "c": ("unknown", 1)}, "at the lease end, not a tick later")
+
+    def test_an_acknowledgement_replayed_after_a_lost_reply_answers_acknowledged_again(self):
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
+        value(s, call("article1.claim", 0, 1))
+        good = response_of(s, "k")
+        other = dict(json.loads(good), ticket_id=8)
+        self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
+                         {"status": "acknowledged"})
+        self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
+                         {"status": "acknowledged"}, "the same attempt and response again")
+        for attempt, response in ((1, other), (2, good), (0, good)):
+            late = call("article1.acknowledge", CALLER, "k", attempt, response)
+            self.assertEqual(value(s, late), {"status": "refused", "state": "done", "attempts": 1})
+        self.assertEqual(query(s, "SELECT state, response->>'ticket_id' FROM article1.outbox"),
+                         [["done", "7"]])
+
+
+# === beyond 第一篇: reconcile, resolve and purge, step by step with reliability.py ==============
+
+class StepByStepTest(harness.TestCase):
+    """Every answer of article1.sql, step by step, against reliability.py's on its own files."""
+
+    def test_the_sql_answers_as_reliability_py_does_step_by_step(self):
+        one, other = {"title": "one"}, {"title": "other"}
+        deep = 1
+        for _ in range(31):  # 32 levels, the leaf included: the deepest accepted
+            deep = {"a": deep}
+        steps = [
+            ("receive", "k1", one, 1, 1), ("receive", "k1", one, 1, 2),
+            ("receive", "k1", other, 1, 2), ("receive", "k2", one, 3, 3),
+            ("receive", "", one, 1, 1), ("receive", "k9", [1], 1, 1), ("receive", "k9", one, 5, 4),
+            ("receive", "k" * 201, one, 1, 1), ("receive", "k9", one, 1.5, 2),
+            ("receive", "k10", '{"n": 1.00, "m": 1e3}', 3, 3),
+            ("receive", "k10", '{"m":1000.0,"n":1.0}', 3, 3), ("receive", "k10", '{"n": 1}', 3, 3),
+            ("receive", "k11", '{"n": 1, "n": 2}', 3, 3), ("receive", "k11", '{"n": NaN}', 3, 3),
+            ("purge", 10, 7), ("purge", 9, 7), ("purge", 5, 7), ("purge", 10, 0),
+            ("receive", "k1", one, 1, 11), ("receive", "k2", one, 3, 11),
+            ("receive", "k3", one, 2, 11), ("receive", "k4", one, 3, 11),
+            ("receive", "k4", one, 3, 12), ("purge", 20, 10), ("receive", "k4", one, 3, 21),
+            ("receive", "k5", other, 10, 21), ("receive", "k6", deep, 10, 21),
+            ("receive", "k7", {"a": deep}, 10, 21), ("tamper ticket", "k5"),
+            ("receive", "k5", other, 10, 22), ("receive", "k5", one, 10, 22),
+            ("receive", "k4", one, 3, 22), ("tamper digest", "k4"), ("receive", "k4", one, 3, 22),
+            ("receive", "k4", other, 3, 22),
+            # The receipt written at the mark stays; the one a tick before goes.
+            ("receive", "k8", one, 29, 29), ("receive", "k12", one, 30, 30), ("purge", 40, 10),
+            ("receive", "k8", one, 29, 41), ("receive", "k12", one, 30, 41),
+            ("enqueue", "e1", one, 1, "idempotent"), ("enqueue", "e1", one, 1, "idempotent"),
+            ("enqueue", "e1", other, 1, "idempotent"), ("enqueue", "e1", one, 1, "external"),
+            ("enqueue", "e2", one, 2, "external"), ("enqueue", "e3", one, 50, "idempotent"),
+            ("enqueue", "e4", other, 3, "idempotent"), ("enqueue", "e5", one, 3, "nonsense"),
+            ("claim", 0), ("claim", 1), ("claim", 2), ("claim", 3), ("claim", 3),
+            ("acknowledge", "e1", 1, "other key"), ("acknowledge", "e1", 1, "other digest"),
+            ("acknowledge", "e1", 1, "ticket 0"), ("acknowledge", "e1", 1, "ticket text"),
+            ("acknowledge", "e1", 1, "ticket float"), ("acknowledge", "e1", 1, "extra field"),
+            ("acknowledge", "e1", 2, None), ("acknowledge", "e1", 1, None),
+            ("acknowledge", "e1", 1, None), ("acknowledge", "e1", 1, "other ticket"),
+            ("acknowledge", "nothing", 1, None),
+            ("claim", 12), ("claim", 13), ("acknowledge", "e2", 1, None), ("state", "e2"),
+            ("tamper", "e4"), ("claim", 22), ("claim", 23), ("state", "e4"),
+        ] + [("claim", 50 + 10 * n) for n in range(11)] + [  # attempts 1..10 of e3, then blocked
+            ("claim", 200), ("acknowledge", "e3", 10, None), ("state", "e3"),
+            # A person decides on blocked and unknown rows; the audit row is never rewritten.
+            ("resolve", "e1", "retry", "ops", "why", None),
+            ("resolve", "e3", "retry", "   ", "why", None),
+            ("resolve", "e3", "retry", "ops", "\u3000\t", None),
+            ("resolve", "e3", "done", "ops", "why", None),
+            ("resolve", "e3", "maybe", "ops", "w", None),
+            ("resolve", "e3", "retry", "ops", "r" * 1001, None),
+            ("resolve", "e3", "retry", "ops", "stuck", None), ("claim", 210), ("state", "e3"),
+            ("reconcile", "e3", 220), ("reconcile", "e2", 5), ("reconcile", "e2", 30),
+            ("claim", 300), ("external", "e2", None), ("claim", 320), ("state", "e2"),
+            ("reconcile", "e2", 320), ("state", "e2"),
+            ("enqueue", "x1", one, 400, "external"), ("enqueue", "x2", other, 400, "external"),
+            ("claim", 400), ("claim", 400), ("claim", 410), ("external", "x1", None),
+            ("external", "x1", None), ("external", "x2", one), ("reconcile", "x1", 410),
+            ("reconcile", "x2", 410), ("resolve", "x1", "done", "ops", "checked", "other digest"),
+            ("resolve", "x1", "done", "ops", "checked", None), ("resolve", "x1", "abandon", "ops",
+                                                                "late", None),
+            ("resolve", "x2", "abandon", "ops", "duplicate", None),
+            ("resolve", "x2", "done", "ops", "no", "first"),
+            ("resolve", "k1", "retry", "o", "w", None),
+        ]
+        with python_workspace() as ws:
+            editions = Editions(self.session, ws)
+            for step in steps:
+                self.assertEqual(editions.sql(step), editions.python(step), step)
+            python_rows = ws.sender.execute("SELECT key, state, attempts, lease_until, response"
+                                            " FROM outbox ORDER BY id").fetchall()
+            sql_rows = query(self.session, "SELECT key, state, attempts, lease_until, response"
+                                           " FROM article1.outbox ORDER BY id")
+            self.assertEqual([(k, s, a, lease, json.loads(r) if r else None)
+                              for k, s, a, lease, r in python_rows],
+                             [(k, s, int(a), int(lease) if lease else None,
+                               json.loads(r) if r else None) for k, s, a, lease, r in sql_rows])
+            self.assertEqual(
+                [(k, a, d, b, w, json.loads(e) if e else None) for k, a, d, b, w, e in
+                 ws.sender.execute("SELECT key, attempt, decision, decided_by, reason, evidence"
+                                   " FROM resolutions ORDER BY id")],
+                [(k, int(a), d, b, w, json.loads(e) if e else None) for k, a, d, b, w, e in
+                 query(self.session, "SELECT key, attempt, decision, decided_by, reason,"
+                                     " evidence FROM article1.resolutions ORDER BY id")])
+            tickets = ws.receiver.execute("SELECT (SELECT count(*) FROM tickets),"
+                                          " (SELECT count(*) FROM receipts)").fetchone()
+            self.assertEqual(query(self.session, "SELECT (SELECT count(*) FROM article1.tickets),"
+                                                 " (SELECT count(*) FROM article1.receipts)"),
+                             [[str(n) for n in tickets]])
+
+    def test_a_decision_is_never_rewritten_and_replayed_after_a_lost_reply_answers_the_same(self):
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "e", {"t": 1}, 0, "external"))
+        value(s, call("article1.claim", 0, 1))
+        value(s, call("article1.claim", 10, 1))
+        decide = call("article1.resolve", CALLER, "e", "retry", "ops", "the tool was down")
+        self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1})
+        self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1}, "a replay")
+        self.assertEqual(value(s, call("article1.resolve", CALLER, "e", "abandon", "ops", "no")),
+                         {"status": "refused", "state": "pending",
+                          "reason": "only an unknown or blocked row is resolved by hand"})
+        for statement in ("UPDATE article1.resolutions SET reason = 'other'",
+                          "DELETE FROM article1.resolutions", "TRUNCATE article1.resolutions"):
+            self.assertEqual(harness.state_of(s, statement), "P0001", statement)
+        self.assertEqual(query(s, "SELECT attempt, decision, reason FROM article1.resolutions"),
+                         [["1", "retry", "the tool was down"]])
+
+
+# === the canonical form and its digest, as reliability.canonical computes them ==================
+
+class CanonicalTest(harness.TestCase):
+    """The SQL's canonical text and SHA-256 equal reliability.canonical's, or both refuse."""
+
+    def test_the_canonical_text_and_digest_equal_reliability_canonical_for_many_payloads(self):
+        texts = payload_texts(random.Random(7))
+        attempt = ("CREATE FUNCTION pg_temp.attempt(t text) RETURNS text LANGUAGE plpgsql AS $$"
+                   " DECLARE c text; BEGIN c := article1.canonical(t);"
+                   " RETURN c || chr(31) || article1.digest_of(c);"
+                   " EXCEPTION WHEN invalid_parameter_value THEN RETURN NULL; END $$")
+        query(self.session, attempt)
+        rows = query(self.session, "SELECT coalesce(pg_temp.attempt(t), '') FROM"
+                                   f" json_array_elements_text({literal(texts)}::json)"
+                                   " WITH ORDINALITY AS x(t, n) ORDER BY n")
+        accepted = 0
+        for text, row in zip(texts, rows):
+            expected = python_canonical(text)
+            self.assertEqual(tuple(row) if row != [""] else None, expected, text[:200])
+            accepted += expected is not None
+        self.assertEqual(len(rows), len(texts))
+        self.assertGreater(accepted, len(texts) // 2)
+        self.assertGreater(len(texts) - accepted, 30)
+
+    def test_bad_input_raises_22023_and_stores_nothing(self):
+        s = self.session
+        one = {"title": "one"}
+        value(s, call("article1.enqueue", CALLER, "e", one, 0))
+        good = response_of(s, "e")
+        bad = [
+            call("article1.receive", CALLER, "k", "not json", 0, 0),
+            call("article1.receive", CALLER, "k", '{"a": "\\u0000', 0, 0),
+            call("article1.receive", CALLER, "k", '[1]', 0, 0),
+            call("article1.receive", CALLER, "k", '{"a": "\\ud800"}', 0, 0),
+            call("article1.receive", CALLER, "k", '{"a": 1e400}', 0, 0),
+            call("article1.receive", CALLER, "k", '{"a": 1, "a": 1}', 0, 0),
+            call("article1.receive", CALLER, "k", {"x": "y" * 65529}, 0, 0),
+            call("article1.receive", CALLER, "k", "[" * 100000 + "]" * 100000, 0, 0),
+            call("article1.receive", CALLER, "k", None, 0, 0),
+            call("article1.receive", None, "k", one, 0, 0),
+            "SELECT article1.receive('agent', 'k', '{}', 1.5, 2)",
+            "SELECT article1.receive('agent', 'k', '{}', 0, 99999999999999999999999)",
+            "SELECT article1.receive('agent', 'k', '{}', -1, 0)",
+            "SELECT article1.receive('agent', 'k', '{}', 3, 2)",
+            "SELECT article1.receive('agent', 'k', '{}', NULL, 2)",
+            call("article1.enqueue", CALLER, "k", one, 0, "other"),
+            call("article1.enqueue", CALLER, "k", one, 0, None),
+            call("article1.claim", -1, 1), "SELECT article1.claim(2.5, 1)",
+            call("article1.claim", 1, 0), "SELECT article1.claim(1, 1.5)",
+            call("article1.purge", 5, 6), call("article1.purge", 5, 0),
+            "SELECT article1.purge(5, 1.5)",
+            call("article1.acknowledge", CALLER, "nothing", 1, good),
+            call("article1.acknowledge", CALLER, "e", 1, "{"),
+            call("article1.acknowledge", CALLER, "e", 1, dict(json.loads(good), ticket_id=1.0)),
+            call("article1.acknowledge", CALLER, "e", 1, dict(json.loads(good), ticket_id=1e3)),
+            "SELECT article1.acknowledge('agent', 'e', 1.5, '{}')",
+            call("article1.reconcile", CALLER, "e", "[]", 0, None),
+            call("article1.reconcile", CALLER, "e", "{}", 0, True),
+            call("article1.reconcile", CALLER, "e", '[{"caller": "agent"}]', 0, True),
+            call("article1.reconcile", CALLER, "e", '[{"\\u0000": 1}]', 0, True),
+            call("article1.resolve", CALLER, "e", "retry", "", "why"),
+            call("article1.resolve", CALLER, "e", "done", "ops", "why"),
+            call("article1.resolve", CALLER, "e", "retry", "ops", "why", good),
+        ]
+        for statement in bad:
+            self.assertEqual(harness.state_of(s, statement), "22023", statement[:200])
+        self.assertEqual(query(s, "SELECT (SELECT count(*) FROM article1.tickets),"
+                                  " (SELECT count(*) FROM article1.requests),"
+                                  " (SELECT count(*) FROM article1.resolutions),"
+                                  " (SELECT state FROM article1.outbox)"),
+                         [["0", "1", "0", "pending"]])
+
+
+# === loading: twice, beside article 7, whatever the caller's search_path =======================
+
+class LoadTest(harness.TestCase):
+    """psql -f loads article1.sql twice, beside article7.sql; no caller's path changes a read."""
+
+    def test_loading_twice_keeps_every_row_and_both_articles_share_one_database(self):
+        query(self.session, receive("k", {"t": 1}, 0, 0))
+        for path in harness.ARTICLES.values():
+            self.assertEqual(harness.load(path, self.database), (0, ""), path)
+        self.assertEqual(query(self.session, "SELECT (SELECT count(*) FROM article1.tickets),"
+                                             " (SELECT low_water FROM article1.retention),"
+                                             " (SELECT count(*) FROM article7.retention)"),
+                         [["1", "0", "1"]])
+        self.assertEqual(value(self.session, receive("k", {"t": 1}, 0, 1))["status"], "ticket")
+        query(self.session, "UPDATE article1.edition SET version = 2")
+        code, errors = harness.load(harness.ARTICLES["article1"], self.database)
+        self.assertEqual(code, 3)
+        self.assertIn("article1 holds edition 2, this file is edition 1", errors)
+
+    def test_every_function_sets_its_search_path_and_a_temporary_table_changes_nothing(self):
+        self.assertEqual(query(self.session, "SELECT n.nspname, p.proname FROM pg_proc p JOIN"
+                               " pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname IN"
+                               " ('article1', 'article7') AND NOT coalesce(p.proconfig @> ARRAY["
+                               "'search_path=' || n.nspname || ', pg_temp'], false)"), [])
+        s = self.session
+        value(s, receive("late", {"t": 1}, 5, 5))
+        value(s, call("article1.purge", 20, 10))
+        # A temporary retention whose mark is 0, searched first by default, and article7's
+        # tables (mark 0 too) first on the path: the late replay is still expired.
+        query(s, "CREATE TEMPORARY TABLE retention (id integer, low_water bigint);"
+                 " INSERT INTO retention VALUES (1, 0);"
+                 " CREATE TEMPORARY TABLE receipts (LIKE article1.receipts);"
+                 " SET search_path = article7, public")
+        self.assertEqual(value(s, receive("late", {"t": 1}, 5, 30)),
+                         {"status": "expired", "low_water": 10})
+        query(s, "SET search_path = pg_temp, article7, article1")
+        self.assertEqual(value(s, receive("late", {"t": 1}, 5, 30)),
+                         {"status": "expired", "low_water": 10})
+        self.assertEqual(query(s, "SELECT count(*) FROM article1.tickets"), [["1"]])
+
+
+# === machinery ==================================================================================
+
+def receive(key, payload, issued_at, now):
+    return call("article1.receive", CALLER, key, payload, issued_at, now)
+
+
+def filler(tick, tag):
+    """Receipts (and their tickets) a purge to past ``tick`` deletes too, so that it lasts."""
+    return ("INSERT INTO article1.tickets (caller, key, digest, payload) SELECT"
+            f" 'filler', '{tag}-' || n, 'd', '{{}}' FROM generate_series(1, {FILLER}) n;"
+            " INSERT INTO article1.receipts SELECT caller, key, digest, id, "
+            f"{tick} FROM article1.tickets WHERE caller = 'filler' AND key LIKE '{tag}-%'")
+
+
+def states(session):
+    return {key: (state, int(attempts)) for key, state, attempts in
+            query(session, "SELECT key, state, attempts FROM article1.outbox ORDER BY id")}
+
+
+def response_of(session, key):
+    """The receiver's response for ``key`` as JSON text: caller, key, its digest, ticket 7."""
+    digest = value(session, f"SELECT digest FROM article1.requests WHERE key = {literal(key)}")
+    return json.dumps({"caller": CALLER, "key": key, "digest": digest, "ticket_id": 7})
+
+
+def python_canonical(text):
+    """reliability.canonical of the JSON text as reliability.py's CLI reads it, or None."""
+    try:
+        return reliability.canonical(reliability._json_argument(text, "payload"))
+    except (ValueError, TypeError):
+        return None
+
+
+NUMBERS = ["0", "-0", "1", "-1", "1.0", "1.00", "1e3", "1E3", "1e+3", "1E-3", "0.5e-3", "-0.0",
+           "0.0", "0e5", "-0e-5", "1e16", "1e15", "0.0001", "0.00001", "123456789012345678",
+           "12345678901234567890.5", "1.7976931348623157e308", "1.7976931348623159e308",
+           "2.2250738585072014e-308", "4.9e-324", "2.4e-324", "2.5e-324", "1e-400", "-1e-400",
+           "1e400", "-1e400", "0." + "0" * 400 + "1", "1" + "0" * 400 + ".0", "9" * 4300,
+           "-" + "9" * 4300, "9" * 4301, "1e-7", "1.5e-07", "100.0", "1e22", "5e-324",
+           "123.456e-2", "0.1", "0.30000000000000004", "1e308", "NaN", "Infinity", "-Infinity",
+           "01", "1.", ".5", "+1", "0x10", "1e", "--1"]
+STRINGS = ['"plain"', '"\\u0000"', '"a\\u0000b"', '"\\u001f\\u007f\\u0080"', '"\\ud83d\\ude00"',
+           '"\\uD83D\\uDE00"', '"\\ud800"', '"\\udc00"', '"\\ud800\\u0041"',
+           '"\\/\\b\\f\\n\\r\\t"',
+           '"\\"\\\\"', '"\\u0022\\u005c\\u005C"', '"\\u2028\\u2029"', '"é中😀"', '"\\u00e9"',
+           '"\\x41"', '"\t"', '"\\uZZZZ"', '""']
+
+
+def payload_texts(rng):
+    """JSON texts for the canonical form: edge cases written by hand, and seeded random ones."""
+    texts = ['{"n":%s}' % number for number in NUMBERS]
+    texts += ['{"s":%s}' % string for string in STRINGS] + ['{%s:1}' % s for s in STRINGS]
+    texts += ['{"b":1,"a":2}', '{"a":1,"a":2}', '{"a":1,"\\u0061":2}', '{"":0,"\\u0000":1}',
+              '{"z":1,"z\\u0001":2,"z ":3,"z\\u0000":4,"\\ud83d\\ude00":5,"\\uffff":6}',
+              '[1]', '1', '"s"', 'null', '{', '', ' {"a" : [ 1 , 2 ] } ',
+              '{"a":[true,false,null]}',
+              '{"a":{},"b":[],"c":[{}],"d":[[]]}', '{"a":tru}', '{"a":1}x', '{"a":\n1}']
+    deep = 1
+    for _ in range(31):
+        deep = {"k": [deep]} if len(json.dumps(deep)) % 2 else {"k": deep}
+    texts += [json.dumps(deep), json.dumps({"k": deep}), json.dumps({"a": {"k": deep}})]
+    texts += [json.dumps({"x": "y" * 65528}), json.dumps({"x": "y" * 65529}),
+              json.dumps({"x": "é" * 32764}), json.dumps({"x": "é" * 32765}),
+              json.dumps({"x": "\n" * 32764}), json.dumps({"x": "\n" * 32765})]
+    for _ in range(150):
+        bits = struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0]
+        if bits == bits and abs(bits) != float("inf"):
+            texts += ['{"f":%r}' % bits, '{"f":%.17e}' % bits, '{"f":%.25g}' % bits]
+    for _ in range(150):
+        value_ = random_value(rng, 4)
+        texts.append(json.dumps({random_text(rng): value_, "k": value_},
+                                ensure_ascii=rng.random() < 0.5, sort_keys=rng.random() < 0.5,
+                                indent=rng.choice([None, 1]), allow_nan=True))
+    return texts
+
+
+def random_text(rng):
+    pools = [(32, 126), (0, 31), (0x80, 0x7ff), (0x800, 0xd7ff), (0xe000, 0xffff),
+             (0x10000, 0x10ffff)]
+    return "".join(chr(rng.randint(*rng.choice(pools))) for _ in range(rng.randint(0, 6)))
+
+
+def random_value(rng, depth):
+    kind = rng.randrange(8 if depth else 5)
+    if kind == 0:
+        return rng.choice([0, -1, 2 ** 63, -(2 ** 70), rng.getrandbits(rng.randint(1, 400))])
+    if kind == 1:
+        return rng.choice([0.0, -0.0, 1e16, 1e-5, rng.uniform(-1e6, 1e6), rng.random() * 1e-300])
+    if kind == 2:
+        return random_text(rng)
+    if kind == 3:
+        return rng.choice([True, False, None])
+    if kind == 4:
+        return rng.getrandbits(20) / 1024
+    if kind == 5:
+        return [random_value(rng, depth - 1) for _ in range(rng.randint(0, 3))]
+    return {random_text(rng): random_value(rng, depth - 1) for _ in range(rng.randint(0, 3))}
+
+
+@contextlib.contextmanager
+def python_workspace():
+    """The three databases of reliability.init in a new temporary folder, connected."""
+    with tempfile.TemporaryDirectory() as folder:
+        reliability.init(folder)
+        opened = [reliability.connect(os.path.join(folder, name)) for name in
+                  (reliability.SENDER, reliability.RECEIVER, reliability.EXTERNAL)]
+        try:
+            yield types.SimpleNamespace(sender=opened[0], receiver=opened[1], external=opened[2])
+        finally:
+            for connection in opened:
+                connection.close()
+
+
+def faulty(key, digest, fault):
+    """A response for ``key``, or one that does not answer it."""
+    response = {"caller": CALLER, "key": key, "digest": digest, "ticket_id": 5}
+    if fault == "other key":
+        response["key"] = key + "x"
+    elif fault == "other digest":
+        response["digest"] = "0" * 64
+    elif fault == "ticket 0":
+        response["ticket_id"] = 0
+    elif fault == "ticket text":
+        response["ticket_id"] = "5"
+    elif fault == "ticket float":
+        response["ticket_id"] = 5.0
+    elif fault == "other ticket":
+        response["ticket_id"] = 6
+    elif fault == "extra field":
+        response["url"] = "https://example.invalid/5"
+    return response
+
+
+# What a step changes behind the protocol's back: (database, table, column).
+TAMPERED = {"tamper": ("sender", "requests", "payload"),
+            "tamper ticket": ("receiver", "tickets", "payload"),
+            "tamper digest": ("receiver", "tickets", "digest")}
+
+
+class Editions:
+    """One step run by both editions, each answer in article1.sql's shape."""
+
+    def __init__(self, session, ws):
+        self.session, self.ws, self.tickets = session, ws, {"python": {}, "sql": {}}
+
+    def label(self, side, answer):
+        # Ticket ids in order of first appearance: a sequence may skip numbers.
+        if answer.get("status") == "ticket":
+            number = answer["response"]["ticket_id"]
+            answer["response"]["ticket_id"] = self.tickets[side].setdefault(
+                number, len(self.tickets[side]) + 1)
+        return answer
+
+    def python(self, step):
+        kind, args, ws = step[0], step[1:], self.ws
+        if kind.startswith("tamper"):
+            db, table, column = TAMPERED[kind]
+            getattr(ws, db).execute(f"UPDATE {table} SET {column} = ? WHERE key = ?",
+                                    ('{"tampered":1}', args[0]))
+            return None
+        if kind == "external":
+            key, payload = args
+            stored = json.loads(ws.sender.execute("SELECT payload FROM requests WHERE key = ?",
+                                                  (key,)).fetchone()[0])
+            reliability.external_create_ticket(ws.external, CALLER, key, payload or stored)
+            return None
+        if kind == "state":
+            return list(ws.sender.execute("SELECT state, attempts, lease_until FROM outbox"
+                                          " WHERE key = ?", args).fetchone())
+        try:
+            if kind == "receive":
+                key, payload, issued_at, now = args
+                if type(payload) is str:
+                    payload = reliability._json_argument(payload, "payload")
+                answer = reliability.receive(ws.receiver, CALLER, key, payload,
+                                             issued_at=issued_at, now=now)
+                return self.label("python", {"status": "ticket", "response": answer})
+            if kind == "purge":
+                return dict(reliability.purge(ws.receiver, *args), status="purged")
+            if kind == "enqueue":
+                key, payload, now, mode = args
+                return {"status": reliability.enqueue(ws.sender, CALLER, key, payload, now=now,
+                                                      mode=mode)}
+            if kind == "claim":
+                row = reliability.claim(ws.sender, args[0])
+                return dict(row, status="claimed") if row else {"status": "nothing due",
+                                                                "now": args[0]}
+            if kind == "acknowledge":
+                key, attempt, fault = args
+                digest = ws.sender.execute("SELECT digest FROM requests WHERE key = ?", (key,))
+                digest = (digest.fetchone() or ("0" * 64,))[0]
+                if reliability.acknowledge(ws.sender, CALLER, key, attempt,
+                                           faulty(key, digest, fault)):
+                    return {"status": "acknowledged"}
+                state, attempts = ws.sender.execute("SELECT state, attempts FROM outbox WHERE"
+                                                    " key = ?", (key,)).fetchone()
+                return {"status": "refused", "state": state, "attempts": attempts}
+            if kind == "reconcile":
+                key, now = args
+                return reliability.reconcile(ws.sender, ws.external, CALLER, key, now)
+            key, decision, by, why, fault = args
+            return reliability.resolve(ws.sender, CALLER, key, decision, by=by, why=why,
+                                       evidence=self.evidence(key, fault) if fault or
+                                       decision == "done" else None)
+        except reliability.Conflict:
+            return {"status": "conflict"}
+        except reliability.Expired:
+            return {"status": "expired", "low_water": ws.receiver.execute(
+                "SELECT low_water FROM retention").fetchone()[0]}
+        except reliability.CorruptRecord:
+            return {"status": "corrupt"}
+        except (ValueError, TypeError) as error:
+            if "move it backwards" in str(error):
+                return {"status": "backwards", "low_water": ws.receiver.execute(
+                    "SELECT low_water FROM retention").fetchone()[0]}
+            if "only an unknown or blocked row" in str(error):
+                return {"status": "refused", "state": ws.sender.execute(
+                    "SELECT state FROM outbox WHERE key = ?", (args[0],)).fetchone()[0],
+                    "reason": "only an unknown or blocked row is resolved by hand"}
+            return "invalid"
+
+    def evidence(self, key, fault):
+        found = reliability.lookup_external(self.ws.external, CALLER, key)
+        if fault == "other digest":
+            return dict(found[0], digest="0" * 64)
+        return found[0] if found else {"caller": CALLER, "key": key, "digest": "0" * 64,
+                                       "ticket_id": 1}
+
+    def sql(self, step):
+        kind, args, s = step[0], step[1:], self.session
+        if kind.startswith("tamper"):
+            _, table, column = TAMPERED[kind]
+            query(s, f"UPDATE article1.{table} SET {column} = '{{\"tampered\":1}}'"
+                     f" WHERE key = {literal(args[0])}")
+            return None
+        if kind == "external":
+            return None  # the tool is reliability.py's external.db: both editions ask it
+        if kind == "state":
+            state, attempts, lease = query(s, "SELECT state, attempts, lease_until FROM article1"
+                                              f".outbox WHERE key = {literal(args[0])}")[0]
+            return [state, int(attempts), int(lease) if lease else None]
+        if kind == "receive":
+            statement = receive(*args)
+        elif kind == "enqueue":
+            statement = call("article1.enqueue", CALLER, *args)
+        elif kind == "acknowledge":
+            key, attempt, fault = args
+            digest = query(s, f"SELECT digest FROM article1.requests WHERE key = {literal(key)}")
+            digest = digest[0][0] if digest else "0" * 64
+            statement = call("article1.acknowledge", CALLER, key, attempt,
+                             faulty(key, digest, fault))
+        elif kind == "reconcile":
+            key, now = args
+            found = reliability.lookup_external(self.ws.external, CALLER, key)
+            statement = call("article1.reconcile", CALLER, key, found, now, True)
+        elif kind == "resolve":
+            key, decision, by, why, fault = args
+            evidence = self.evidence(key, fault) if fault or decision == "done" else None
+            statement = call("article1.resolve", CALLER, key, decision, by, why, evidence)
+        elif kind == "claim":
+            statement = call("article1.claim", args[0], os.getpid())
+        else:
+            statement = call("article1." + kind, *args)
+        state, answer = harness.outcome(s, statement)
+        if state == "22023":
+            return "invalid"
+        self.assertion(state == "00000", f"{statement[:200]} failed with {state}")
+        if answer.get("status") == "claimed":
+            # The payload a claim hands out is the canonical text of its digest.
+            self.assertion(reliability.canonical(json.loads(answer["payload"]))
+                           == (answer["payload"], answer["digest"]), f"not canonical: {answer}")
+            answer["payload"] = json.loads(answer["payload"])
+        return self.label("sql", answer)
+
+    @staticmethod
+    def assertion(holds, why):
+        if not holds:
+            raise AssertionError(why)
+
+
+if __name__ == "__main__":
+    unittest.main()
