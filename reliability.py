@@ -684,13 +684,17 @@ def canonical(payload):
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
     level, depth, budget = [payload], 1, MAX_PAYLOAD_BYTES
     while level:
-        budget -= sum(map(_least_bytes, level))
-        level = [inner for value in level if type(value) in (dict, list)
-                 for inner in (value.values() if type(value) is dict else value)]
-        if budget < 0 or level and depth == MAX_PAYLOAD_DEPTH:
+        inner = []
+        for value in level:
+            budget -= _least_bytes(value)
+            if type(value) is dict:
+                inner += value.values()
+            elif type(value) is list:
+                inner += value
+        if budget < 0 or inner and depth == MAX_PAYLOAD_DEPTH:
             raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds"
                              f" {MAX_PAYLOAD_BYTES} bytes")
-        depth += 1
+        level, depth = inner, depth + 1
     # A lone surrogate raises UnicodeEncodeError (a ValueError) here.
     data = _dumps(payload).encode("utf-8")
     if len(data) > MAX_PAYLOAD_BYTES:
@@ -702,12 +706,12 @@ def _least_bytes(value):
     """The fewest bytes a value takes in canonical form, what it holds aside; TypeError for
     anything but an exact JSON type, NaN and infinities included."""
     kind = type(value)
-    if kind is dict and all(type(name) is str for name in value):
-        return 1 + sum(len(name) + 3 for name in value)
     if kind in (str, list):
         return len(value) + (2 if kind is str else 1)
     if kind is int:
         return 1 + value.bit_length() // 5
+    if kind is dict and all(type(name) is str for name in value):
+        return 1 + sum(map(len, value)) + 3 * len(value)
     if kind in (bool, type(None)) or kind is float and value - value == 0:
         return 1
     raise TypeError(f"payload is not exact JSON: a {kind.__name__} that is NaN, has a key not"
