@@ -395,12 +395,12 @@ def _usable_file(path):
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
                       " name would keep its own -wal and committed work could be lost", path)
-    # One stat per file says both whether it is there and whether we may use it: another
-    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
+    # Another process's last close removes -wal and -shm at any moment: a file gone is no
+    # refusal, so a refusal needs the file there before and after the kernel said no.
     wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
     for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal),
                               ("-shm", real + "-shm", shm)):
-        if seen is not None and not _read_write(seen):
+        if seen and not os.access(where, os.R_OK | os.W_OK) and _stat(where):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
                                   " writable (WAL writes -wal and -shm beside the file)", where)
     if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
@@ -415,21 +415,6 @@ def _stat(path):
         return os.stat(path)
     except FileNotFoundError:
         return None
-
-
-def _read_write(seen):
-    """Whether the owner, group or other bits of a stat let this process read and write the
-    file, as the kernel decides (root may always); ACLs are not read, so a grant by one is
-    refused."""
-    if os.geteuid() == 0:
-        return True
-    if seen.st_uid == os.geteuid():
-        bits = seen.st_mode >> 6
-    elif seen.st_gid == os.getegid() or seen.st_gid in os.getgroups():
-        bits = seen.st_mode >> 3
-    else:
-        bits = seen.st_mode
-    return bits & 0o6 == 0o6
 
 
 def _create(path, application_id, schema, fill=None):

@@ -238,6 +238,10 @@ def _replayed(connection, caller, key, text, digest, issued_at):
 
 # --- 第一篇 §4: delivery by a real child process --------------------------------------------
 
+# (caller, key, attempt) this process is delivering right now: reconcile() knows its own.
+_DELIVERING = set()
+
+
 def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
     """第一篇 §4: claim one due row (§5), call its tool in a child, record what can be proven.
 
@@ -365,14 +369,15 @@ def claim(connection, now):
             row = _oldest_due(connection, now)
             if row is None:
                 return None
-            number, state, attempts, used, intent = row
+            number, state, mode, attempts, used, intent = row
             # An external attempt may have reached its tool: never sent again.
-            if state == "inflight" and intent["mode"] == "external":
+            if state == "inflight" and mode == "external":
                 parked = "unknown", None
-            elif used >= MAX_ATTEMPTS or intent["payload"] is None:
-                why = f"no valid answer after {used} attempts" if used >= MAX_ATTEMPTS else \
-                    "corrupt intent: not the text, payload and digest enqueue() stores"
-                parked = "blocked", _dumps({"error": why})
+            elif used >= MAX_ATTEMPTS:
+                parked = "blocked", _dumps({"error": f"no valid answer after {used} attempts"})
+            elif intent is None:
+                parked = "blocked", _dumps({"error": "corrupt intent: not the text, payload and"
+                                                     " digest enqueue() stores"})
             else:
                 # The owner's pid: reconcile() takes absence as proof only once it is gone.
                 connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?,"
@@ -384,9 +389,9 @@ def claim(connection, now):
 
 
 def _oldest_due(connection, now):
-    """(id, state, attempts, attempts since a person last decided, intent) of the oldest due
-    row, or None; the intent's payload is None where the row is not what enqueue() stores.
-    Stored text is read as bytes: what another program wrote cannot raise here."""
+    """(id, state, mode, attempts, attempts since a person last decided, intent) of the oldest
+    due row, or None; the intent is None where the row is not what enqueue() stores.  Stored
+    text is read as bytes: what another program wrote cannot raise here."""
     row = connection.execute(
         "SELECT o.id, o.state, o.attempts, o.attempts - coalesce((SELECT max(attempt)"
         " FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0), r.mode,"
@@ -399,22 +404,27 @@ def _oldest_due(connection, now):
         (now, now)).fetchone()
     if row is None:
         return None
-    intent = {"caller": None, "key": None, "mode": row[4], "digest": None, "payload": None,
-              "issued_at": row[5]}
+    number, state, attempts, used, mode, issued_at, typed = row[:7]
+    intent = None
     try:
         caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
         payload = json.loads(text)
-        if row[6] and canonical(payload) == (text, digest):
-            intent.update(caller=caller, key=key, digest=digest, payload=payload)
+        if typed and canonical(payload) == (text, digest):
+            intent = {"caller": caller, "key": key, "mode": mode, "digest": digest,
+                      "payload": payload, "issued_at": issued_at}
     except (ValueError, TypeError, RecursionError):
         pass
-    return row[0], row[1], row[2], row[3], intent
+    return number, state, mode, attempts, used, intent
 
 
 def acknowledge(connection, caller, key, attempt, response):
     """第一篇 §5: record a validated response as done, only for the attempt holding the row:
     True (again if asked again), or False for any other attempt; ValueError for a response
     that does not answer the request."""
+    check_identity(caller, key)
+    if type(attempt) is not int or not 0 < attempt <= MAX_TICK:
+        raise ValueError(f"attempt must be an int from 1 to {MAX_TICK}, not {attempt!r}")
+    check_response(response, caller, key)
     with transaction(connection):
         digest = connection.execute("SELECT digest FROM requests WHERE caller = ? AND key = ?",
                                     (caller, key)).fetchone()
@@ -427,12 +437,13 @@ def acknowledge(connection, caller, key, attempt, response):
             (_dumps(response), caller, key, attempt, _dumps(response))).rowcount == 1
 
 
-def check_response(response, caller, key, digest):
-    """第一篇 §4: a response answers a request only with its caller, key, digest and a positive
-    int ticket id."""
+def check_response(response, caller, key, digest=None):
+    """第一篇 §4: a response answers a request only with its caller, key, digest (when given)
+    and a positive int ticket id."""
     if type(response) is not dict or set(response) != {"caller", "key", "digest", "ticket_id"}:
         raise ValueError("a response is a JSON object with exactly caller, key, digest and"
                          " ticket_id")
+    digest = response["digest"] if digest is None else digest
     if (response["caller"], response["key"], response["digest"]) != (caller, key, digest):
         raise ValueError(f"response answers a different request: this one is {caller!r}/{key!r},"
                          f" digest {digest}")
@@ -566,10 +577,6 @@ def purge(connection, now, window):
     return {"deleted": deleted, "low_water": mark}
 
 
-# (caller, key, attempt) this process is delivering right now: reconcile() knows its own.
-_DELIVERING = set()
-
-
 def _end_attempt(connection, caller, key, attempt, state, response=None):
     """The attempt's owner gives it up as ``state``: its tool child is reaped, so nobody can act
     for it any more (the pids reconcile() would wait for are cleared)."""
@@ -686,14 +693,15 @@ def canonical(payload):
     while level:
         inner = []
         for value in level:
+            # Charged before what it holds is taken in: the walk stays within the budget too.
             budget -= _least_bytes(value)
+            if budget < 0 or depth == MAX_PAYLOAD_DEPTH and type(value) in (dict, list) and value:
+                raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds"
+                                 f" {MAX_PAYLOAD_BYTES} bytes")
             if type(value) is dict:
                 inner += value.values()
             elif type(value) is list:
                 inner += value
-        if budget < 0 or inner and depth == MAX_PAYLOAD_DEPTH:
-            raise ValueError(f"payload nests over {MAX_PAYLOAD_DEPTH} deep or exceeds"
-                             f" {MAX_PAYLOAD_BYTES} bytes")
         level, depth = inner, depth + 1
     # A lone surrogate raises UnicodeEncodeError (a ValueError) here.
     data = _dumps(payload).encode("utf-8")
@@ -809,12 +817,12 @@ def _usable_file(path):
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
                       " name would keep its own -wal and committed work could be lost", path)
-    # One stat per file says both whether it is there and whether we may use it: another
-    # process's last close removes -wal and -shm at any moment, and a file gone is no refusal.
+    # Another process's last close removes -wal and -shm at any moment: a file gone is no
+    # refusal, so a refusal needs the file there before and after the kernel said no.
     wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
     for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal),
                               ("-shm", real + "-shm", shm)):
-        if seen is not None and not _read_write(seen):
+        if seen and not os.access(where, os.R_OK | os.W_OK) and _stat(where):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
                                   " writable (WAL writes -wal and -shm beside the file)", where)
     if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
@@ -829,21 +837,6 @@ def _stat(path):
         return os.stat(path)
     except FileNotFoundError:
         return None
-
-
-def _read_write(seen):
-    """Whether the owner, group or other bits of a stat let this process read and write the
-    file, as the kernel decides (root may always); ACLs are not read, so a grant by one is
-    refused."""
-    if os.geteuid() == 0:
-        return True
-    if seen.st_uid == os.geteuid():
-        bits = seen.st_mode >> 6
-    elif seen.st_gid == os.getegid() or seen.st_gid in os.getgroups():
-        bits = seen.st_mode >> 3
-    else:
-        bits = seen.st_mode
-    return bits & 0o6 == 0o6
 
 
 def _create(path, application_id, schema, fill=None):

@@ -429,12 +429,13 @@ class RacersOnOneSnapshotDecideOnce(Case):
     snapshot one applies; 16 copies of one op apply once; the unsafe entry applies every one."""
 
     def test_16_distinct_ops_on_one_snapshot_give_1_applied_and_15_stale(self):
-        self.assertEqual(race(self.db, transfer, [f"job-{k}" for k in range(16)]),
+        self.assertEqual(thread_race(self.db, transfer, [f"job-{k}" for k in range(16)]),
                          {"applied": 1, "stale": 15})
         self.assertEqual(self.figures(), ({"A": (7, 2), "B": (3, 2)}, 1, 16))
 
     def test_16_copies_of_one_op_give_1_applied_and_15_replayed(self):
-        self.assertEqual(race(self.db, transfer, ["job-1"] * 16), {"applied": 1, "replayed": 15})
+        self.assertEqual(thread_race(self.db, transfer, ["job-1"] * 16),
+                         {"applied": 1, "replayed": 15})
         self.assertEqual(self.figures(), AFTER_APPLIED)
 
     def test_the_barrier_catches_a_non_atomic_check_then_write_every_time(self):
@@ -448,7 +449,7 @@ class RacersOnOneSnapshotDecideOnce(Case):
                                              pause=lambda: in_between.wait(timeout=WATCHDOG))
 
         # Four transfers built on one snapshot's revisions.
-        self.assertEqual(race(db, unsafe, [f"job-{k}" for k in range(4)], threads=4),
+        self.assertEqual(thread_race(db, unsafe, [f"job-{k}" for k in range(4)], threads=4),
                          {"applied": 4})
         self.assertEqual(self.figures(db)[1], 4)
 
@@ -459,7 +460,7 @@ class ManyAgentsKilledAtOnceLoseNothing(Case):
 
     def test_agents_opening_writing_closing_and_killed_at_once_lose_nothing_and_all_connect(self):
         db = self.make_db(MANY_RESOURCES, "many.db")
-        results = crowd(functools.partial(many_agents, db, self.dir), MANY_AGENTS)
+        results = race(functools.partial(many_agents, db, self.dir), MANY_AGENTS, may_die=True)
         self.assertEqual([r for r in results if r not in ("done", None)], [])
         # The seed kills some agents, and each kill is a SIGKILL.
         self.assertIn(None, results)
@@ -952,7 +953,7 @@ class TheSourceHoldsTheArticlesCodeAndItsTwins(unittest.TestCase):
                           " (article 7's download has only preconditions.py)")
         mine, theirs = definitions(MODULE), definitions(twin)
         for name in ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open",
-                     "_usable_file", "_stat", "_read_write", "_create", "wal_reset_bug", "_text",
+                     "_usable_file", "_stat", "_create", "wal_reset_bug", "_text",
                      "_json_argument", "_no_repeats"]:
             with self.subTest(name):
                 self.assertIn(name, theirs)
@@ -1417,7 +1418,7 @@ def connect_as_nobody(path):
         return f"{type(error).__name__}: {error}"
 
 
-def race(db, entry, ops, threads=8):
+def thread_race(db, entry, ops, threads=8):
     """``threads`` threads (the article's 8), each with its own connection to ``db``, released
     together by a barrier, submit ``ops`` between them through entry(connection, op); the
     statuses, counted.  They run in a forked process, as the driver's race does: a process that
@@ -1450,47 +1451,78 @@ def race(db, entry, ops, threads=8):
     return collections.Counter(run_experiment.run_forked(run))
 
 
-def crowd(body, n):
-    """Run ``body(wait)`` in ``n`` forked processes; wait() returns once all n have called it, a
-    barrier checked here.  Returns each one's JSON result, None for one killed by SIGKILL."""
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
+def race(body, n=8, may_die=False):
+    """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
+    a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
+    for.  Returns the n JSON results (None for a racer that SIGKILLed itself, which only
+    ``may_die`` allows).  The same in test_reliability.py and test_preconditions.py.
 
-    def racer():
+    The watchdog measures silence, not work: every barrier byte and every racer's end resets
+    it, so a loaded machine makes a race slower, never failed.  A racer that ends while the
+    others stand at a barrier fails the race at once.  The caller must hold no SQLite
+    connection to a file the body opens.
+    """
+    ready_r, ready_w = os.pipe()
+    fds, racers = {ready_r, ready_w}, []
+
+    def racer(go_r):
         def wait():
             os.write(ready_w, b"r")
             if os.read(go_r, 1) != b"g":
-                raise RuntimeError("the barrier broke")
-        return body(wait)
-    workers = []
+                raise RuntimeError("barrier broken")
+        try:
+            return body(wait)
+        finally:
+            # Done: progress, like a barrier byte.
+            os.write(ready_w, b"d")
     try:
         for _ in range(n):
-            workers.append(run_experiment.fork_json(racer))
-        arrived = b""
-        while len(arrived) < n:
-            ready = select.select([ready_r], [], [], WATCHDOG)[0]
-            if not ready:
-                raise AssertionError(f"only {len(arrived)} of {n} racers reached the barrier")
-            arrived += os.read(ready_r, n)
-        os.write(go_w, b"g" * n)
+            # Its own: a fast racer cannot take a slow one's turn.
+            go_r, go_w = os.pipe()
+            fds |= {go_r, go_w}
+            pid, out = run_experiment.fork_json(racer, go_r)
+            fds.add(out)
+            racers.append((pid, out, go_w))
+        os.close(ready_w)
+        fds.discard(ready_w)
+        waiting = ended = 0
+        while True:
+            if not select.select([ready_r], [], [], WATCHDOG)[0]:
+                raise AssertionError(f"no racer moved for {WATCHDOG:g} s: one hangs")
+            data = os.read(ready_r, 64)
+            # Every racer has ended.
+            if not data:
+                break
+            waiting, ended = waiting + data.count(b"r"), ended + data.count(b"d")
+            # All the racers still running stand at the barrier: go, unless one has ended
+            # and so never comes to it (its traceback, if any, is above).
+            if waiting and waiting == n - ended:
+                if ended:
+                    raise AssertionError("a racer ended while the others waited at a barrier")
+                for _, _, go_w in racers:
+                    os.write(go_w, b"g")
+                waiting = 0
         results = []
-        for pid, reader in workers:
-            with os.fdopen(reader, encoding="utf-8") as pipe:
-                text = pipe.read()
+        while racers:
+            pid, out, _ = racers.pop(0)
+            fds.discard(out)
+            with os.fdopen(out, "rb") as pipe:
+                output = pipe.read()
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            if code not in (0, -signal.SIGKILL):
-                raise AssertionError(f"a racer exited {code}")
-            results.append(json.loads(text) if code == 0 else None)
-        workers = []
+            if may_die and code == -signal.SIGKILL:
+                results.append(None)
+                continue
+            # A racer that raised printed its traceback above.
+            assert code == 0, f"racer exited {code}"
+            results.append(json.loads(output.decode("utf-8")))
         return results
     finally:
-        for pid, reader in workers:
+        # Only if something above failed.
+        for pid, _, _ in racers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            with contextlib.suppress(OSError):
-                os.close(reader)
-        for fd in (ready_r, ready_w, go_r, go_w):
+        for fd in fds:
             os.close(fd)
 
 

@@ -20,9 +20,11 @@ strace tests, the five-file download, the copy kits, the walk-through, Ctrl-C.
 
 Races are forced, not hoped for: race() releases its forked racers together at barriers the
 test checks, its watchdog measures silence rather than work, and racers retry "database is
-locked" (which wrote nothing), so a loaded machine makes a race slower, never failed.  Two
-things only are simulated with unittest.mock, as the article says: a tool child that times
-out, and a fork that fails half way through a batch.
+locked" (which wrote nothing), so a loaded machine makes a race slower, never failed.  Crashes
+and races are never simulated.  unittest.mock stands in only where the real event cannot be
+forced: a tool child that times out and a fork that fails half way through a batch (as the
+article says), a file that vanishes between connect()'s check and its open, the loser of two
+inits, and two observers: a trace of init's statements, and canonical() never reaching json.
 """
 import os
 import sys
@@ -50,6 +52,7 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import tempfile
 import time
@@ -639,7 +642,8 @@ class OnlyExactJsonIsAcceptedBeforeAnyTransaction(unittest.TestCase):
                     "one long list": {"a": [0] * (MAX_PAYLOAD_BYTES // 2)},
                     "a few long strings": {"a": ["x" * 20000] * 4},
                     "a few long ints": {"a": [10 ** 4000] * 30},
-                    "a few long keys": {"a": [{"k" * 20000: 0}] * 4}}
+                    "a few long keys": {"a": [{"k" * 20000: 0}] * 4},
+                    "a shared long list": {"a": [[0] * 100000] * 30000}}
         # Counted as walked, each value's fewest bytes each time it is met.
         for label, payload in payloads.items():
             with self.subTest(label), mock.patch.object(reliability, "_dumps",
@@ -678,16 +682,19 @@ class UntrustedRecordsAreRefusedNeverActedOn(unittest.TestCase):
                     with raw(ws.path("receiver")) as tamper:
                         tamper.execute(sql, {"key": key})
                     before = rows(ws.receiver, "tickets")
-                    # And again: the refusal does not wear off.
-                    for _ in range(2):
+                    # And again: the refusal does not wear off.  A receipt whose ticket
+                    # disagrees with it (caller, key, digest) is corrupt before anything else,
+                    # so another payload gets no Conflict from it.
+                    agrees = "payload" in label
+                    for payload in (PAYLOAD, PAYLOAD) + (() if agrees else (OTHER_PAYLOAD,)):
                         with self.assertRaises(CorruptRecord):
-                            receive(ws, key)
+                            receive(ws, key, payload)
                     self.assertEqual(rows(ws.receiver, "tickets"), before)
-            # An edited receipt digest looks like another intent: refused as well.
+            # An edited receipt digest no longer matches its ticket: corrupt as well.
             receive(ws, "last")
             ws.receiver.execute("UPDATE receipts SET digest = 'x' WHERE key = 'last'")
             before = rows(ws.receiver, "tickets")
-            with self.assertRaises((Conflict, CorruptRecord)):
+            with self.assertRaises(CorruptRecord):
                 receive(ws, "last")
             self.assertEqual(rows(ws.receiver, "tickets"), before)
 
@@ -1217,6 +1224,18 @@ class OneClaimerWinsAndStaleAttemptsChangeNothing(unittest.TestCase):
                                      ("inflight", None))
             with self.assertRaises(ValueError, msg="a request never made"):
                 reliability.acknowledge(ws.sender, "agent", "k2", attempt, dict(good, key="k2"))
+            # Bad input, and a response that cannot answer the request, raise before BEGIN.
+            statements = []
+            ws.sender.set_trace_callback(statements.append)
+            bad = [("agent", "k1", True, good), ("agent", "k1", "1", good),
+                   ("agent", "k1", 1.0, good), ("agent", "k1", 0, good),
+                   ("agent\ud800", "k1", attempt, good),
+                   ("agent", "k1", attempt, dict(good, caller="mallory"))]
+            for caller, key, number, response in bad:
+                with self.subTest(caller=caller, attempt=number), self.assertRaises(ValueError):
+                    reliability.acknowledge(ws.sender, caller, key, number, response)
+            ws.sender.set_trace_callback(None)
+            self.assertEqual(statements, [])
             self.assertIs(reliability.acknowledge(ws.sender, "agent", "k1", attempt, good), True)
 
     def test_same_key_other_payload_at_the_receiver_blocks_the_row_keeps_the_first_ticket(self):
@@ -1328,6 +1347,15 @@ class AToolWithoutIdempotencyLeavesUnknown(unittest.TestCase):
                              (0, False, None))
             self.assertEqual((state(ws), pids(ws)), (("unknown", 1), (None, None)),
                              "it may have acted: never resent")
+
+    def test_an_external_reply_nested_too_deeply_is_no_answer_and_the_row_unknown(self):
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            row = reliability.claim(ws.sender, 0)
+            deep = b"[" * 100000 + b"]" * 100000
+            result = reliability.deliver(ws.sender, ws.root, row, start=answering(deep))
+            self.assertEqual((result["exit_code"], result["response"]), (0, None))
+            self.assertEqual(state(ws), ("unknown", 1))
 
     def test_retrying_an_unknown_call_anyway_duplicates_the_external_ticket(self):
         with workspace() as ws:
@@ -1901,6 +1929,7 @@ class UnreadableOrReadOnlyFilesAreRefused(unittest.TestCase):
                  "read-only -wal": (0o777, {"": 0o666, "-wal": 0o444}, "-wal"),
                  "read-only -shm": (0o777, {"": 0o666, "-shm": 0o444}, "-shm"),
                  "read-only directory": (0o555, {"": 0o666}, None),
+                 "unsearchable directory": (0o666, {"": 0o666}, ""),
                  "read-only -wal, through a symlink": (0o777, {"": 0o666, "-wal": 0o444}, "-wal")}
         with tempfile.TemporaryDirectory() as top:
             # Another user may pass through.
@@ -1931,6 +1960,30 @@ class UnreadableOrReadOnlyFilesAreRefused(unittest.TestCase):
                     self.assertTrue(text.startswith("PermissionError: "), text)
                     self.assertIn(path + named + "'" if named is not None else folder, text)
                     self.assertEqual(file_bytes(path), content)
+
+    @unittest.skipUnless(os.geteuid() == 0, "the test becomes another user, which needs root")
+    def test_the_kernel_decides_who_may_open_an_acl_grant_included(self):
+        # Shared through a POSIX ACL with uid 65534, mode bits aside: it opens.  Owned by that
+        # uid with no owner bits but "other" ones: the owner bits decide, and it is refused.
+        with tempfile.TemporaryDirectory() as top:
+            os.chmod(top, 0o755)
+            granted, owned = os.path.join(top, "granted"), os.path.join(top, "owned")
+            for folder in (granted, owned):
+                reliability.init(folder)
+            try:
+                for path, mode in ((granted, 0o700), (os.path.join(granted, RECEIVER), 0o600)):
+                    os.chmod(path, mode)
+                    os.setxattr(path, "system.posix_acl_access", posix_acl(65534, 0o7))
+            except OSError as error:
+                self.skipTest(f"no POSIX ACLs here: {error}")
+            os.chmod(owned, 0o777)
+            os.chown(os.path.join(owned, RECEIVER), 65534, 65534)
+            os.chmod(os.path.join(owned, RECEIVER), 0o066)
+            self.assertEqual(run_experiment.run_forked(connect_as_nobody,
+                                                       os.path.join(granted, RECEIVER)), "opened")
+            refused = run_experiment.run_forked(connect_as_nobody, os.path.join(owned, RECEIVER))
+            self.assertTrue(refused.startswith("PermissionError: "), refused)
+            self.assertIn(os.path.join(owned, RECEIVER) + "'", refused)
 
 
 class FailedSystemCallsAreUnknownOrOneLine(unittest.TestCase):
@@ -2029,8 +2082,8 @@ class TheKitsRunAlone(unittest.TestCase):
             "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS", "MAX_ATTEMPTS",
             "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK", "_dumps"})
         # What a copier pastes, in lines: it may not grow unnoticed.
-        self.assertLessEqual(kit_lines(["receive"]), 118)
-        self.assertLessEqual(kit_lines(["claim", "acknowledge"]), 141)
+        self.assertLessEqual(kit_lines(["receive"]), 119)
+        self.assertLessEqual(kit_lines(["claim", "acknowledge"]), 158)
 
     def test_the_receive_kit_runs_the_articles_replay_alone(self):
         self.assert_runs_alone(["receive"], """
@@ -2340,6 +2393,19 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                 # One answers at once.
                 with run_experiment.batch(run, [serve + ("--wait",), serve]) as children:
                     run_experiment.race(children, request)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the tests' racers are forked")
+    def test_the_tests_race_fails_at_once_when_a_racer_never_comes_to_its_barrier(self):
+        def body(wait):
+            # The first racer to number itself gives up before the barrier.
+            if numbered(folder, "racer")[0] == 0:
+                raise RuntimeError("gave up before the barrier")
+            wait()
+            return "through"
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+                with self.assertRaisesRegex(AssertionError, "ended while the others waited"):
+                    race(body, 3)
 
     def test_check_exits_1_and_names_each_difference_by_value_json_type_and_key(self):
         with tempfile.TemporaryDirectory() as directory:
@@ -2867,12 +2933,14 @@ def stand_in(main):
 
 
 def answering(response):
-    """A tool child that is a real forked process but answers ``response`` (a dict, or a
-    function of the request) whatever it is asked: for answers a real tool would not give."""
+    """A tool child that is a real forked process but answers ``response`` (a dict, a line of
+    bytes, or a function of the request) whatever it is asked: answers a real tool would not
+    give."""
     def main(argv):
         request = json.loads(sys.stdin.buffer.readline())
         answer = response(request) if callable(response) else response
-        sys.stdout.buffer.write(json.dumps(answer).encode("utf-8") + b"\n")
+        line = answer if isinstance(answer, bytes) else json.dumps(answer).encode("utf-8")
+        sys.stdout.buffer.write(line + b"\n")
         return 0
 
     def start(argv):
@@ -2952,6 +3020,16 @@ def alive_as_nobody(pid):
     return reliability._alive(pid)
 
 
+def posix_acl(uid, perms):
+    """The system.posix_acl_access value granting ``uid`` ``perms`` (rwx bits) on top of the
+    owner's rwx and nothing for group and others: version 2, then sorted entries of tag,
+    permissions and id (linux/posix_acl_xattr.h)."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 0o7, undefined), (0x02, perms, uid), (0x04, 0, undefined),
+               (0x10, perms, undefined), (0x20, 0, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
 def connect_as_nobody(path):
     """The text of what connect(path) raises for a user that is not root, or "opened"."""
     _become_nobody()
@@ -2998,10 +3076,11 @@ def race(body, n=8, may_die=False):
     """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
     a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
     for.  Returns the n JSON results (None for a racer that SIGKILLed itself, which only
-    ``may_die`` allows).
+    ``may_die`` allows).  The same in test_reliability.py and test_preconditions.py.
 
     The watchdog measures silence, not work: every barrier byte and every racer's end resets
-    it, so a loaded machine makes a race slower, never failed.  The caller must hold no SQLite
+    it, so a loaded machine makes a race slower, never failed.  A racer that ends while the
+    others stand at a barrier fails the race at once.  The caller must hold no SQLite
     connection to a file the body opens.
     """
     ready_r, ready_w = os.pipe()
@@ -3027,7 +3106,7 @@ def race(body, n=8, may_die=False):
             racers.append((pid, out, go_w))
         os.close(ready_w)
         fds.discard(ready_w)
-        waiting = 0
+        waiting = ended = 0
         while True:
             if not select.select([ready_r], [], [], WATCHDOG)[0]:
                 raise AssertionError(f"no racer moved for {WATCHDOG:g} s: one hangs")
@@ -3035,8 +3114,12 @@ def race(body, n=8, may_die=False):
             # Every racer has ended.
             if not data:
                 break
-            waiting += data.count(b"r")
-            if waiting == n:
+            waiting, ended = waiting + data.count(b"r"), ended + data.count(b"d")
+            # All the racers still running stand at the barrier: go, unless one has ended
+            # and so never comes to it (its traceback, if any, is above).
+            if waiting and waiting == n - ended:
+                if ended:
+                    raise AssertionError("a racer ended while the others waited at a barrier")
                 for _, _, go_w in racers:
                     os.write(go_w, b"g")
                 waiting = 0
@@ -3069,7 +3152,7 @@ def many_agents(database, folder, wait):
     key others receive too (1 in 10) and notes the answer in its journal, or checkpoints (1 in
     20), or only reads, and closes.  Odd agents SIGKILL themselves in their second half, at a
     seeded moment: just opened, inside the transaction, or answered but not yet noted."""
-    index, journal = _numbered(folder, "agent")
+    index, journal = numbered(folder, "agent")
     rng = random.Random(f"{MANY_SEED}/{index}")
     death = (rng.randrange(MANY_OPERATIONS // 2, MANY_OPERATIONS),
              rng.choice(("opened", "writing", "answered"))) if index % 2 else None
@@ -3098,7 +3181,7 @@ def many_agents(database, folder, wait):
     return "done"
 
 
-def _numbered(folder, name):
+def numbered(folder, name):
     """(i, a descriptor of the journal folder/name-i that this process created): racers number
     themselves 0, 1, ... in the order they come, each journal appended to by one process only."""
     for index in itertools.count():

@@ -4,6 +4,7 @@ that says so reports each invariant broken by hand.
 Run from the project root: ``python3 -m unittest beyond.test_torture``.
 """
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -101,24 +102,29 @@ class CommandLineTest(unittest.TestCase):
                                       timeout=WATCHDOG)
                 self.assertEqual(done.returncode, 2, done.stderr)
 
-    @unittest.skipUnless(hasattr(os, "killpg"), "the interrupt goes to a process group")
+    @unittest.skipUnless(os.path.isdir("/proc"), "the interrupt goes to a process group (Linux)")
     def test_ctrl_c_exits_130_quietly_and_leaves_nothing_behind(self):
         # A background job's children ignore SIGINT too.
         if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
             self.skipTest("SIGINT is ignored in this process, so no child of it can be stopped")
-        # A 60 s run is surely still running, workers and tool children included, when the
-        # interrupt lands right after its folder appears: the machine's timing does not matter.
+        # A 60 s run is surely still running when the interrupt lands once its four workers
+        # have journaled: workers and tool children are interrupted, whatever the timing.
         with tempfile.TemporaryDirectory() as directory:
             env = dict(os.environ, TMPDIR=directory, PYTHONDONTWRITEBYTECODE="1")
             child = subprocess.Popen([sys.executable, "-S", SCRIPT, "60"], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True, env=env)
             try:
                 deadline = time.monotonic() + WATCHDOG
-                while not any(name.startswith("torture-") for name in os.listdir(directory)):
-                    self.assertLess(time.monotonic(), deadline, "no torture folder")
+                while len(glob.glob(os.path.join(directory, "torture-*", "worker-*.journal"))) < 4:
+                    self.assertLess(time.monotonic(), deadline, "the workers never journaled")
                     time.sleep(0.005)
                 os.killpg(child.pid, signal.SIGINT)
                 _, err = child.communicate(timeout=WATCHDOG)
+                # Nothing of the run goes on: every process of its group ends (a zombie that
+                # init has not reaped yet has ended).
+                while group_running(child.pid):
+                    self.assertLess(time.monotonic(), deadline, "a process of the run lives on")
+                    time.sleep(0.005)
             finally:
                 if child.returncode is None:
                     os.killpg(child.pid, signal.SIGKILL)
@@ -132,6 +138,19 @@ class CommandLineTest(unittest.TestCase):
 
 
 # --- machinery -------------------------------------------------------------------------------
+
+def group_running(group):
+    """The pids of the processes of process group ``group`` that have not ended (Linux /proc)."""
+    running = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+                # pid (name) state ppid pgrp ...: the name may hold spaces and parentheses.
+                fields = handle.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                running.append(int(pid))
+    return running
+
 
 @contextlib.contextmanager
 def folder():
