@@ -1,20 +1,23 @@
-"""Beyond 第一篇: writers take turns in the order they came, ``with queued(c): receive(c, ...)``.
+"""Beyond 第一篇: writers take turns in the order they came, ``with queued(c): ...``.
 
 Opt-in, for many processes writing one SQLite file: with transaction() alone, SQLite's busy
-handler lets a writer wait far longer than its turn.  Imports reliability; nothing at the top
-level imports this.
+handler lets a writer wait far longer than its turn.  What it buys and costs is measured by
+``python3 beyond/bench.py``.  Imports reliability; nothing at the top level imports this.
 """
 import contextlib
-from contextlib import contextmanager
 import errno
 import functools
 import os
+import socket
 import sqlite3
+import stat
 import sys
 import time
+from contextlib import contextmanager
 
 try:
-    import fcntl  # POSIX record locks
+    # POSIX record locks.
+    import fcntl
 except ImportError:
     fcntl = None
 
@@ -22,12 +25,22 @@ from reliability import BUSY_TIMEOUT
 
 __all__ = ["queued", "Busy"]
 
-QUEUE_COUNTER, QUEUE_TURN, QUEUE_PLACES = 0, 1, 64  # locked bytes of <db>-queue; ticket t's: 64 + t
-QUEUE_TICKETS, QUEUE_NEXT = 0, 8  # ...stored in it: tickets drawn, the ticket to wake next
-QUEUE_SPIN = 0.0005          # ...a writer just woken, or waiting for the counter, tries again at once this long,
-QUEUE_PAUSE = 0.0005         # ...then this often
-QUEUE_CHECK = 0.005          # ...and unwoken this often: a writer that dies first in line wakes nobody
-QUEUE_SCAN = 64              # ...a wake-up tries this many tickets at most, from the one to wake next
+# The line is the file <db>-queue.  It begins with QUEUE_HEADER, which queued() writes into
+# a file it finds empty and requires of any other: it never writes into a file not its own.
+QUEUE_HEADER = b"queued() line 1\n"
+# Stored after the header: how many tickets were drawn, and the first ticket whose writer
+# may still be waiting, where a wake-up starts.
+QUEUE_TICKETS, QUEUE_NEXT = 16, 24
+# Locked bytes, whatever they hold: the counter, the turn, and ticket t's place at 64 + t.
+QUEUE_COUNTER, QUEUE_TURN, QUEUE_PLACES = 0, 1, 64
+# A writer waiting for the counter or its place tries again at once for this long, yielding
+# the processor, then this often.
+QUEUE_SPIN = 0.0005
+QUEUE_PAUSE = 0.0005
+# A writer in line looks for itself this often: one who died before waking it wakes nobody.
+QUEUE_CHECK = 0.005
+# A wake-up tries this many tickets at most, from the one to wake next.
+QUEUE_SCAN = 64
 
 
 class Busy(sqlite3.OperationalError):
@@ -36,56 +49,121 @@ class Busy(sqlite3.OperationalError):
 
 @contextmanager
 def queued(connection, *, deadline=BUSY_TIMEOUT):
-    """Opt-in: writers take turns in the order they drew tickets, ``with queued(c): receive(c, ...)``.
+    """Opt-in: writers take turns in the order they drew tickets, ``with queued(c): ...``.
 
     The turn is a POSIX record lock (fcntl.lockf) on one byte of ``<db>-queue``.  A writer
     takes it at once when nobody is in line; otherwise it draws a ticket and holds its
     ticket's byte, its place in line, until no earlier place is held and the turn is free.
-    The writer leaving the turn, or the line, wakes the first in line (on Linux, a datagram
-    to a socket named after its ticket); a waiter also looks every QUEUE_CHECK seconds, in
-    case the one who should have woken it died.  What it buys, by ../shared/bench/run on
-    a 2-core VM with 8 processes receiving at once (three runs): the slowest receive took
-    69-75 fsync'd commits (10,300-11,800 with transaction() alone), the 99th percentile
-    50-54; the price is 0.34-0.44 of one process's rate, as every turn goes to a process
-    whose caches are cold (16 processes, once: 126, 90 and 0.41).  The kernel drops a
-    process's locks when it dies, even one that forked, so a dead writer holds up nobody.
-    The lock belongs to the process: use it from one thread per process, and never nest
-    it (two threads, or an inner queued(), both pass, and the first to leave drops the
-    other's turn).  Raises Busy after ``deadline`` seconds in line (0: one try, no
-    ticket), with nothing written.  Without fcntl (Windows) it does nothing.
+    Whoever leaves the turn, or the line, wakes the first in line (on Linux, a datagram to
+    a socket named after its ticket); a waiter also looks every QUEUE_CHECK seconds, in case
+    the one who should have woken it died.  The kernel drops a process's locks when it
+    dies, even one that forked, so a dead writer holds up nobody.
+
+    What it buys and costs, as ``python3 beyond/bench.py`` measures it (8 processes on one
+    file; three runs on a 2-core VM with a load average of about 1 from other work): the
+    slowest receive took 245-417 fsync'd commits (6,223-7,426 with transaction() alone) and
+    the 99th percentile 127-190 (51-102); the 8 wrote at 0.84-1.03 of the rate of strict
+    turns with a bare hand-off, the ideal line, which itself reached 0.51-0.67 of one
+    process's rate; a writer alone took 2.7-3.1 commits per receive (2.1-2.5 without it).
+
+    The lock belongs to the process: use it from one thread per process, and never nest it
+    (two threads, or an inner queued(), both pass, and the first to leave drops the other's
+    turn).  Raises Busy after ``deadline`` seconds in line (0: one try, no ticket) with
+    nothing written, and ValueError for a deadline that is not seconds from 0 a float holds.
+    ``<db>-queue`` is opened without following a symbolic link, and anything there but a
+    regular file that begins with QUEUE_HEADER, or is empty, is refused, naming it, and
+    left as it was.  Without fcntl (Windows) it does nothing.
     """
-    if type(deadline) not in (int, float) or not 0 <= deadline < float("inf"):  # nan fails this too
-        raise ValueError(f"deadline must be a finite number of seconds from 0, not {deadline!r}")
+    seconds = _seconds(deadline)
     if fcntl is None:
         yield connection
         return
-    database = connection.execute("PRAGMA database_list").fetchone()[2]
-    if not database:  # in memory or temporary: no file to put the line beside
-        raise ValueError("queued() needs a connection to a database file")
-    line, ticket, bell = os.open(database + "-queue", os.O_RDWR | os.O_CREAT, 0o644), None, None
+    database = _database(connection)
+    line, queue = _open_line(database + "-queue")
+    ticket, bell = None, None
     try:
-        if not (_nobody_in_line(line) and _take(line, QUEUE_TURN)):
-            wait = functools.partial(_wait, until=time.monotonic() + deadline, deadline=deadline, database=database)
-            if deadline == 0:
-                wait(lambda: False)  # one try, and it failed: Busy, without a ticket
-            wait(lambda: _take(line, QUEUE_COUNTER), spin=QUEUE_SPIN)  # held for microseconds
-            ticket = _read(line, QUEUE_TICKETS) % 2 ** 62  # even a damaged counter gives a byte to lock
+        first, drawn = _counters(line)
+        if _nobody_in_line(line) and _take(line, QUEUE_TURN):
+            # Each ticket drawn before we looked held its place before it counted, and none
+            # is held now: those writers left, and the next wake-up starts after them.
+            if first < drawn:
+                os.pwrite(line, drawn.to_bytes(8, "big"), QUEUE_NEXT)
+        else:
+            wait = functools.partial(_wait, until=time.monotonic() + seconds, deadline=seconds,
+                                     database=database)
+            if seconds == 0:
+                # One try, and it failed: Busy, without a ticket.
+                wait(lambda: False)
+            # The counter is held for microseconds, by a writer drawing its ticket.
+            wait(lambda: _take(line, QUEUE_COUNTER), spin=QUEUE_SPIN)
+            # Even a damaged counter gives a byte to lock.
+            ticket = _counters(line)[1] % 2 ** 62
+            # Others look at the places for a moment, with a shared lock.
+            wait(lambda: _take(line, QUEUE_PLACES + ticket), spin=QUEUE_SPIN)
             os.pwrite(line, (ticket + 1).to_bytes(8, "big"), QUEUE_TICKETS)
-            wait(lambda: _take(line, QUEUE_PLACES + ticket), spin=QUEUE_SPIN)  # others look at places a moment
             fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_COUNTER)
-            bell = _bell(line, ticket)  # before the first look, so that no wake-up is lost
-            wait(lambda: _nobody_in_line(line, before=ticket) and _take(line, QUEUE_TURN), bell=bell)
-            os.pwrite(line, (ticket + 1).to_bytes(8, "big"), QUEUE_NEXT)  # the next wake-up starts there
-            ticket, bell = _leave_line(line, ticket, bell)  # ours: out of the line, and nobody rings us
+            # The bell listens before the first look, so that no wake-up is lost.
+            bell = _bell(queue, ticket)
+            wait(lambda: _nobody_in_line(line, before=ticket) and _take(line, QUEUE_TURN),
+                 bell=bell)
+            # The next wake-up starts after us.  Our place and bell are let go when we leave:
+            # until then nobody behind us could have the turn anyway.
+            os.pwrite(line, (ticket + 1).to_bytes(8, "big"), QUEUE_NEXT)
         yield connection
     finally:
         try:
-            fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_TURN)  # the turn, if ours, and any place in line
-            _leave_line(line, ticket, bell)
-            waiting = () if _nobody_in_line(line) else _bells(line)
+            # Every lock this process holds on the line, at once: the turn, a place, the counter.
+            fcntl.lockf(line, fcntl.LOCK_UN)
+            _ring_first(line, queue, ticket)
         finally:
-            os.close(line)  # closing the descriptor releases every lock this process holds on the file
-        _ring_first(waiting)
+            if bell is not None:
+                bell.close()
+            os.close(line)
+
+
+def _seconds(deadline):
+    # An int or a float from 0 that a float can hold: not bool, nan, inf or 10 ** 400.
+    if type(deadline) in (int, float) and 0 <= deadline <= sys.float_info.max:
+        return float(deadline)
+    huge = type(deadline) is int and abs(deadline) > sys.float_info.max
+    raise ValueError("deadline must be a finite number of seconds from 0, not "
+                     + ("an int no float can hold" if huge else repr(deadline)))
+
+
+def _database(connection):
+    # The path as bytes, as SQLite has it: a name that is not UTF-8 opens like any other.
+    row = connection.execute(
+        "SELECT CAST(file AS BLOB) FROM pragma_database_list WHERE name = 'main'").fetchone()
+    if not row or not row[0]:
+        raise ValueError("queued() needs a connection to a database file, not one in memory")
+    return os.fsdecode(row[0])
+
+
+def _open_line(path):
+    # (descriptor, os.stat) of the line at ``path``, made if missing.  Never through a
+    # symbolic link, and never writing into a file that is not a line.
+    try:
+        line = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link: queued() never follows one",
+                          path) from None
+        raise
+    try:
+        queue = os.fstat(line)
+        if not stat.S_ISREG(queue.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file, so not queued()'s line", path)
+        header = os.pread(line, len(QUEUE_HEADER), 0)
+        if header != QUEUE_HEADER:
+            if not QUEUE_HEADER.startswith(header):
+                raise OSError(errno.EINVAL, "not queued()'s line (it does not begin with"
+                              f" {QUEUE_HEADER!r}); nothing was written", path)
+            # Empty, or made by a writer who has not written its header yet: the same bytes.
+            os.pwrite(line, QUEUE_HEADER, 0)
+        return line, queue
+    except BaseException:
+        os.close(line)
+        raise
 
 
 def _wait(ready, *, until, deadline, database, bell=None, spin=0.0):
@@ -96,15 +174,16 @@ def _wait(ready, *, until, deadline, database, bell=None, spin=0.0):
     while not ready():
         now = time.monotonic()
         if now >= until:
-            raise Busy(f"{database}: still in the writers' queue after {deadline:g} s; nothing was written")
+            raise Busy(f"{database}: still in the writers' queue after {deadline:g} s;"
+                       " nothing was written")
         if now < spin_until:
             os.sched_yield()
         elif bell is not None:
-            import socket
             bell.settimeout(min(QUEUE_CHECK, until - now))
             with contextlib.suppress(socket.timeout):
                 bell.recv(1)
-                spin_until = time.monotonic() + QUEUE_SPIN  # woken: the turn was let go just now
+                # Woken: the turn was let go just now.
+                spin_until = time.monotonic() + QUEUE_SPIN
         else:
             time.sleep(min(QUEUE_PAUSE, until - now))
 
@@ -135,57 +214,48 @@ def _lock(line, kind, start, length):
         return False
 
 
-def _leave_line(line, ticket, bell):
-    if ticket is not None:
-        fcntl.lockf(line, fcntl.LOCK_UN, 1, QUEUE_PLACES + ticket)
-    if bell is not None:
-        bell.close()
-    return None, None
+def _counters(line):
+    # (the ticket to wake next, tickets drawn), 0 where nothing was written yet.
+    stored = os.pread(line, 16, QUEUE_TICKETS).ljust(16, b"\0")
+    return int.from_bytes(stored[8:], "big"), int.from_bytes(stored[:8], "big")
 
 
-def _read(line, offset):
-    return int.from_bytes(os.pread(line, 8, offset).ljust(8, b"\0"), "big")
-
-
-def _bell(line, ticket):
+def _bell(queue, ticket):
     # Where the writer holding ``ticket`` is woken: a datagram socket with an abstract name,
     # which goes with its process (Linux).  Elsewhere, or if the name is taken, it looks
     # every QUEUE_PAUSE seconds instead.
     if not sys.platform.startswith("linux"):
         return None
-    import socket  # only writers in line need it
     bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        bell.bind(_bell_name(os.fstat(line), ticket))
+        bell.bind(_bell_name(queue, ticket))
         return bell
     except OSError:
         bell.close()
         return None
 
 
-def _bells(line):
-    # The bells of up to QUEUE_SCAN tickets drawn, from the one to wake next on.
-    queue, first = os.fstat(line), _read(line, QUEUE_NEXT)
-    return [_bell_name(queue, ticket) for ticket in range(first, min(_read(line, QUEUE_TICKETS), first + QUEUE_SCAN))]
-
-
 def _bell_name(queue, ticket):
     return f"\0reliability-queue-{queue.st_dev}-{queue.st_ino}-{ticket}"
 
 
-def _ring_first(bells):
-    # Wakes the first writer in ``bells`` who listens: one who died or gave up has no bell
-    # any more, and one who has not bound it yet looks for itself once it has.  A full bell
-    # has its wake-ups already: never wait for one to be read.
-    if not bells or not sys.platform.startswith("linux"):
+def _ring_first(line, queue, own):
+    # Wakes the first writer who listens, from the ticket to wake next on: one who died or
+    # gave up has no bell any more, and one who has not bound it yet looks for itself once
+    # it has.  Never ``own``: a writer giving up listens until it has left.  A full bell has
+    # its wake-ups already: never wait for one to be read.
+    first, drawn = _counters(line)
+    if first >= drawn or not sys.platform.startswith("linux"):
         return
-    import socket
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ringer:
-        for name in bells:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ringer:
+        for ticket in range(first, min(drawn, first + QUEUE_SCAN)):
+            if ticket == own:
+                continue
             try:
-                ringer.sendto(b"!", socket.MSG_DONTWAIT, name)
-            except BlockingIOError:  # full
-                pass
-            except OSError:  # nobody listens there
+                ringer.sendto(b"!", socket.MSG_DONTWAIT, _bell_name(queue, ticket))
+            except BlockingIOError:
+                return
+            except OSError:
+                # Nobody listens there.
                 continue
             return

@@ -1,0 +1,225 @@
+"""Beyond 第一篇: what queued() buys and costs, three ways of waiting side by side in one run.
+
+Run from the project root:  python3 beyond/bench.py            (about 40 s)
+                            python3 beyond/bench.py --quick    (about 10 s)
+
+N processes (8 unless --processes says otherwise), each its own interpreter as agents are,
+call reliability.receive() with new keys on one receiver.db; the same work is also done by
+1 process alone.  Three ways of waiting:
+  - the ideal line: strict turns, each process handing the turn to the next through a
+    semaphore, with no lock and no polling: what any first-come-first-served order costs;
+  - queued(): ``with queued(c): receive(c, ...)``;
+  - plain transaction(): receive() alone, SQLite's busy handler deciding who writes next.
+Every round runs each way, 1 process and N, in a rotated order, so that a busy machine slows
+all alike.  Throughput is N processes' receives per second while all N run, against 1
+process's, the median over the rounds; "vs ideal" divides it by the ideal line's.  "alone"
+is 1 process's time per receive, p99 and max the N processes' receive times, waiting
+included, over all rounds; all three are multiples of the floor, one fsync'd single-row
+INSERT commit, measured between the runs.  This is not a test: the figures belong to the
+machine, and only ratios from one run carry over.
+"""
+import os
+import sys
+
+# The project root: python puts beyond/ on the path, and the bench imports reliability.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import multiprocessing  # noqa: E402
+import queue  # noqa: E402
+import sqlite3  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+
+import reliability  # noqa: E402
+from beyond.queued import queued  # noqa: E402
+
+PROCESSES = 8
+# Rounds, and receives per run of each way, in a full run and with --quick.
+ROUNDS, RECEIVES = 12, 1600
+QUICK_ROUNDS, QUICK_RECEIVES = 4, 800
+# Receives before the rounds: past the -wal's growth and its first checkpoint.
+WARM = 600
+# Commits per measurement of the floor.
+FLOOR_COMMITS = 100
+# Seconds without a result before the bench gives up on a run.
+WATCHDOG = 300.0
+PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
+WAYS = {"ideal": "ideal line (hand-off)", "queued": "queued()", "plain": "plain transaction()"}
+
+
+def main(argv=None):
+    options = parse(argv)
+    rounds, receives = (QUICK_ROUNDS, QUICK_RECEIVES) if options.quick else (ROUNDS, RECEIVES)
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-") as root:
+        figures, floor = measure(root, options.processes, rounds, receives)
+    print(f"{options.processes} processes receiving on one receiver.db, against 1 doing the same"
+          f" work; {rounds} rounds of {receives} receives each way")
+    print(f"floor {floor * 1e6:.0f} us per fsync'd commit; load average {load:.1f} before,"
+          f" {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} processors")
+    print(f"{'way of waiting':22} alone {options.processes:>3} vs 1  vs ideal  p99    max  errors"
+          "  (alone, p99, max: x floor)")
+    ideal = figures["ideal"][1]
+    for way, label in WAYS.items():
+        alone, speedup, times, errors = figures[way]
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        print(f"{label:22} {alone / floor:5.2f} {speedup:8.2f} {speedup / ideal:9.2f}"
+              f" {p99 / floor:4.0f} {times[-1] / floor:6.0f} {errors:7}")
+    return 0
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and receives")
+    parser.add_argument("--processes", type=int, default=PROCESSES, help="processes in line (8)")
+    options = parser.parse_args(argv)
+    if options.processes < 2:
+        parser.error("--processes must be 2 or more")
+    return options
+
+
+def measure(root, processes, rounds, receives):
+    """({way: (seconds per receive by 1 process alone, N vs 1 throughput, sorted seconds of
+    each receive by N processes, errors)}, the floor in seconds)."""
+    alone = {way: [] for way in WAYS}
+    speedups = {way: [] for way in WAYS}
+    times = {way: [] for way in WAYS}
+    errors = dict.fromkeys(WAYS, 0)
+    floors = []
+    with workers(processes) as pool, contextlib.closing(floor_database(root)) as floor:
+        databases = {}
+        for way in WAYS:
+            reliability.init(os.path.join(root, way))
+            databases[way] = os.path.join(root, way, reliability.RECEIVER)
+            contend(pool, databases[way], way, 1, WARM, "warm")
+        for k in range(rounds):
+            ways = list(WAYS)[k % len(WAYS):] + list(WAYS)[:k % len(WAYS)]
+            for way in ways:
+                rate = {}
+                for n in (1, processes) if k % 2 == 0 else (processes, 1):
+                    floors.append(floor_commit(floor))
+                    rate[n], took, failed = contend(pool, databases[way], way, n, receives, f"{k}")
+                    errors[way] += failed
+                    if n == processes:
+                        times[way] += took
+                alone[way].append(1 / rate[1])
+                speedups[way].append(rate[processes] / rate[1])
+    figures = {way: (statistics.median(alone[way]), statistics.median(speedups[way]),
+                     sorted(times[way]), errors[way]) for way in WAYS}
+    return figures, statistics.median(floors)
+
+
+@contextlib.contextmanager
+def workers(processes):
+    """``processes`` interpreters of their own, started once, so that no run pays for a
+    start or an exit; each runs the jobs it is given (see worker()).  None outlives the
+    block."""
+    context = multiprocessing.get_context("spawn")
+    pool = types.SimpleNamespace(
+        jobs=[context.Queue() for _ in range(processes)], results=context.Queue(),
+        gates={n: context.Barrier(n + 1) for n in (1, processes)},
+        turns=[context.Semaphore(0) for _ in range(processes)])
+    pool.processes = [
+        context.Process(target=worker, daemon=True,
+                        args=(me, pool.jobs[me], pool.results, pool.gates, pool.turns))
+        for me in range(processes)]
+    try:
+        for process in pool.processes:
+            process.start()
+        yield pool
+        for jobs in pool.jobs:
+            jobs.put(None)
+        for process in pool.processes:
+            process.join(WATCHDOG)
+    finally:
+        for process in pool.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def contend(pool, database, way, processes, receives, tag):
+    """The first ``processes`` workers each receive ``receives // processes`` new keys on
+    ``database``, released together: (receives per second while all run, each receive's
+    seconds, errors raised to the caller)."""
+    for me in range(processes):
+        job = database, way, processes, receives // processes, f"{tag}-{processes}-{me}"
+        pool.jobs[me].put(job)
+    pool.gates[processes].wait(WATCHDOG)
+    start = time.perf_counter()
+    if way == "ideal" and processes > 1:
+        pool.turns[0].release()
+    measured = [result(pool) for _ in range(processes)]
+    until = min(ends[-1] for _, ends, _ in measured)
+    done = sum(end <= until for _, ends, _ in measured for end in ends)
+    took = [end - begin for begins, ends, _ in measured for begin, end in zip(begins, ends)]
+    return done / (until - start), took, sum(failed for _, _, failed in measured)
+
+
+def result(pool):
+    silence = time.monotonic() + WATCHDOG
+    while True:
+        try:
+            return pool.results.get(timeout=0.5)
+        except queue.Empty:
+            codes = [process.exitcode for process in pool.processes]
+            if codes.count(None) < len(codes) or time.monotonic() > silence:
+                raise RuntimeError(f"a worker died or hung (exit codes {codes})") from None
+
+
+def worker(me, jobs, results, gates, turns):
+    """Worker ``me``: for each job (database, way, processes, receives, tag) until None, its
+    receives, each timed from before it waits to after it commits; (starts, ends, errors)
+    go to ``results``.  On the ideal line it waits for turns[me] and hands the turn on."""
+    for database, way, processes, receives, tag in iter(jobs.get, None):
+        connection = reliability.connect(database)
+        wait = queued if way == "queued" else lambda connection: contextlib.nullcontext()
+        ring = turns[:processes] if way == "ideal" and processes > 1 else None
+        begins, ends, errors = [], [], 0
+        # Its first receive, before the gate and not timed, reads the schema and fills caches.
+        reliability.receive(connection, "bench", f"{tag}-warm", PAYLOAD, issued_at=0, now=0)
+        gates[processes].wait(WATCHDOG)
+        for i in range(receives):
+            begins.append(time.perf_counter())
+            if ring:
+                ring[me].acquire()
+            try:
+                with wait(connection):
+                    reliability.receive(connection, "bench", f"{tag}-{i}", PAYLOAD,
+                                        issued_at=0, now=0)
+            except sqlite3.OperationalError:
+                errors += 1
+            if ring:
+                ring[(me + 1) % processes].release()
+            ends.append(time.perf_counter())
+        if ring and me == 0:
+            # The run's last hand-off comes back here: taken, so that the next run starts clean.
+            ring[0].acquire()
+        connection.close()
+        results.put((begins, ends, errors))
+
+
+def floor_database(root):
+    connection = sqlite3.connect(os.path.join(root, "floor.db"), isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT)")
+    return connection
+
+
+def floor_commit(connection):
+    """Seconds per single-row INSERT committed with BEGIN IMMEDIATE: one fsync'd commit."""
+    start = time.perf_counter()
+    for _ in range(FLOOR_COMMITS):
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("INSERT INTO t (v) VALUES ('v')")
+        connection.execute("COMMIT")
+    return (time.perf_counter() - start) / FLOOR_COMMITS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
