@@ -18,24 +18,23 @@ included, over all rounds; all three are multiples of the floor, one fsync'd sin
 INSERT commit, measured between the runs.  This is not a test: the figures belong to the
 machine, and only ratios from one run carry over.
 """
+import argparse
+import contextlib
+import multiprocessing
 import os
+import queue
+import sqlite3
+import statistics
 import sys
+import tempfile
+import time
+import types
 
-# The project root: python puts beyond/ on the path, and the bench imports reliability.
+# Run as python3 beyond/bench.py, it finds beyond/ on its path: the modules are one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import multiprocessing  # noqa: E402
-import queue  # noqa: E402
-import sqlite3  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-
-import reliability  # noqa: E402
-from beyond.queued import queued  # noqa: E402
+import reliability
+from beyond.queued import queued
 
 PROCESSES = 8
 # Rounds, and receives per run of each way, in a full run and with --quick.

@@ -60,11 +60,11 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     dies, even one that forked, so a dead writer holds up nobody.
 
     What it buys and costs, as ``python3 beyond/bench.py`` measures it (8 processes on one
-    file; three runs on a 2-core VM with a load average of about 1 from other work): the
-    slowest receive took 245-417 fsync'd commits (6,223-7,426 with transaction() alone) and
-    the 99th percentile 127-190 (51-102); the 8 wrote at 0.84-1.03 of the rate of strict
-    turns with a bare hand-off, the ideal line, which itself reached 0.51-0.67 of one
-    process's rate; a writer alone took 2.7-3.1 commits per receive (2.1-2.5 without it).
+    file; three runs on an otherwise idle 2-core VM): the slowest receive took 136-206
+    fsync'd commits (5,187-6,675 with transaction() alone) and the 99th percentile 71-100
+    (111-224); the 8 wrote at 0.90-1.14 of the rate of strict turns with a bare hand-off, the
+    ideal line, which itself reached 0.49-0.58 of one process's rate; a writer alone took 2.9
+    commits per receive (2.1 without it).
 
     The lock belongs to the process: use it from one thread per process, and never nest it
     (two threads, or an inner queued(), both pass, and the first to leave drops the other's

@@ -22,9 +22,9 @@ import unittest
 # The project root, whether this runs as beyond.test_queued or as a file.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import reliability  # noqa: E402
-import run_experiment  # noqa: E402
-from beyond import queued as line_mod  # noqa: E402
+import reliability
+import run_experiment
+from beyond import queued as line_mod
 
 # Seconds a wait hears nothing before it fails; never asserted as a measurement.
 SILENCE = 5.0
