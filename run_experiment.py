@@ -1051,7 +1051,10 @@ def _work(names, base):
                              os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
-        runs[name] = vars(run_scenario(name, base))
+        run = run_scenario(name, base)
+        # A copy, taken while the run is alive: CPython 3.13.0 can empty the __dict__ a run
+        # shares with its attributes once the garbage collector clears the run.
+        runs[name] = dict(vars(run))
     return runs
 
 
