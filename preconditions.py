@@ -395,12 +395,9 @@ def _usable_file(path):
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
                       " name would keep its own -wal and committed work could be lost", path)
-    # Another process's last close removes -wal and -shm at any moment: a file gone is no
-    # refusal, so a refusal needs the file there before and after the kernel said no.
     wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
-    for what, where, seen in (("file", real, found), ("-wal", real + "-wal", wal),
-                              ("-shm", real + "-shm", shm)):
-        if seen and not os.access(where, os.R_OK | os.W_OK) and _stat(where):
+    for what, where in (("file", real), ("-wal", real + "-wal"), ("-shm", real + "-shm")):
+        if not _may_use(where):
             raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
                                   " writable (WAL writes -wal and -shm beside the file)", where)
     if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
@@ -415,6 +412,24 @@ def _stat(path):
         return os.stat(path)
     except FileNotFoundError:
         return None
+
+
+def _may_use(path):
+    """Whether this process may read and write ``path``, as the kernel decides for that very
+    file, ACLs included; True where nothing is there.  Another process's last close removes
+    -wal and -shm at any moment, so on Linux the file is named once (O_PATH opens nothing, and
+    closing it drops none of this process's locks) and judged through that name."""
+    if not hasattr(os, "O_PATH"):
+        return os.access(path, os.R_OK | os.W_OK) or _stat(path) is None
+    try:
+        named = os.open(path, os.O_PATH)
+    except FileNotFoundError:
+        return True
+    try:
+        through = f"/proc/self/fd/{named}"
+        return os.access(through if os.path.exists(through) else path, os.R_OK | os.W_OK)
+    finally:
+        os.close(named)
 
 
 def _create(path, application_id, schema, fill=None):

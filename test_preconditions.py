@@ -953,7 +953,7 @@ class TheSourceHoldsTheArticlesCodeAndItsTwins(unittest.TestCase):
                           " (article 7's download has only preconditions.py)")
         mine, theirs = definitions(MODULE), definitions(twin)
         for name in ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open",
-                     "_usable_file", "_stat", "_create", "wal_reset_bug", "_text",
+                     "_usable_file", "_stat", "_may_use", "_create", "wal_reset_bug", "_text",
                      "_json_argument", "_no_repeats"]:
             with self.subTest(name):
                 self.assertIn(name, theirs)
