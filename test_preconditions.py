@@ -973,14 +973,7 @@ class TheExecuteKitRunsAlone(unittest.TestCase):
     run the article's scenario on the connection README.md's recipe opens."""
 
     def test_the_kit_list_is_exactly_what_execute_needs(self):
-        found = definitions(MODULE)
-        needed, todo = set(), ["execute"]
-        while todo:
-            name = todo.pop()
-            if name not in needed:
-                needed.add(name)
-                todo += [node.id for node in ast.walk(found[name][0])
-                         if isinstance(node, ast.Name) and node.id in found and node.id != name]
+        found, needed = definitions(MODULE), closure("execute")
         self.assertEqual(needed, set(KIT))
         with open(MODULE, encoding="utf-8") as handle:
             body = ast.parse(handle.read()).body
@@ -1189,14 +1182,7 @@ class TheReadmeShowsWhatTheRunShows(unittest.TestCase):
         self.assertEqual(set(re.findall(r"`([^`]+)`", row[1])) | {"execute", "change"},
                          set(KIT) | {"change"})
         # change() needs nothing that execute() does not: the kit serves ABA as it is.
-        found, needed, todo = definitions(MODULE), set(), ["change"]
-        while todo:
-            name = todo.pop()
-            if name not in needed:
-                needed.add(name)
-                todo += [node.id for node in ast.walk(found[name][0])
-                         if isinstance(node, ast.Name) and node.id in found and node.id != name]
-        self.assertLessEqual(needed, set(KIT) | {"change"})
+        self.assertLessEqual(closure("change"), set(KIT) | {"change"})
 
 
 # === machinery ===============================================================================
@@ -1609,6 +1595,18 @@ def definitions(path):
         for name in names:
             found[name] = (node, segment)
     return found
+
+
+def closure(root):
+    """The module-level definitions of preconditions.py that ``root`` needs, itself included."""
+    found, needed, todo = definitions(MODULE), set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo += [node.id for node in ast.walk(found[name][0])
+                     if isinstance(node, ast.Name) and node.id in found and node.id != name]
+    return needed
 
 
 def kit_lines():
