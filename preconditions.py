@@ -333,103 +333,64 @@ def check_ticks(issued_at, now):
 
 
 def _open(path, application_ids):
-    """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
-
-    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file, its
-    -wal or -shm, or its directory), a file with a second name (each name would get its own
-    -wal), not SQLite, not ours, another schema version, or a -wal left without its -shm that
-    does not pass SQLite's quick_check: each raises naming the path, and the file and its -wal
-    are left byte for byte (SQLite may have made a -shm).
-    """
-    real, wal, shm = _usable_file(path)
-    # "file://" and an empty authority, so that a path starting with // stays a path.
-    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
+    keys on, autocommit (transaction() begins).  A missing file is never created (mode=rw).
+    Whatever SQLite refuses, and another kind of file or schema version, a second name or a
+    file this process may not write, raise before anything is written, naming the path."""
+    # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
+        "#", "%23") + "?mode=rw"
+    _check_file(path)
     try:
-        # Looked at read-only first, so a refused file is left as it was: a read-only
-        # connection never checkpoints, and with no -wal to read it looks at the file alone
-        # (immutable).  A -wal left without a -shm (no process had it open) is checked whole.
-        alone = "" if wal else "&immutable=1"
-        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True,
-                                                isolation_level=None)) as look:
-            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0]
-                             for name in ("application_id", "user_version"))
-            if wal and not shm and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
-                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the"
-                                            " file (quick_check)")
-        # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
-        if kind == 0 and version in application_ids:
-            kind, version = version, 1
-        if kind not in application_ids:
-            raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
-        if version != SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
-                                        f" {SCHEMA_VERSION}")
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None,
-                                     timeout=BUSY_TIMEOUT)
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
     except sqlite3.Error as error:
-        raise type(error)(f"{path}: {error}; nothing was written") from None
+        raise type(error)(f"{path}: {error}") from None
     try:
+        _check_kind(connection, application_ids)
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
             raise sqlite3.DatabaseError("cannot run in WAL mode")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA foreign_keys=ON")
-    except sqlite3.Error as error:
+    except BaseException as error:
         connection.close()
-        raise type(error)(f"{path}: {error}") from None
+        if isinstance(error, sqlite3.Error):
+            raise type(error)(f"{path}: {error}") from None
+        raise
     return connection
 
 
-def _usable_file(path):
-    """(the file's real path, stat of its -wal, stat of its -shm; None where absent) for _open,
-    or the error naming what is wrong with it."""
-    # Through a symlink: SQLite keeps -wal and -shm beside the target.
-    real = os.path.realpath(path)
-    found = _stat(real)
-    if found is None:
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)",
-                                path)
-    if stat.S_ISDIR(found.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not stat.S_ISREG(found.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+def _check_kind(connection, application_ids):
+    """Refuses, before anything is written, a database of another kind or schema version."""
+    kind, version = (connection.execute(f"PRAGMA {name}").fetchone()[0]
+                     for name in ("application_id", "user_version"))
+    # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
+    if kind == 0 and version in application_ids:
+        kind, version = version, 1
+    if kind not in application_ids:
+        raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
+    if version != SCHEMA_VERSION:
+        raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
+                                    f" {SCHEMA_VERSION}")
+
+
+def _check_file(path):
+    """The two things SQLite would take silently, refused naming the path before it opens it."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        found = None
+    # Missing, out of reach or no regular file: SQLite says so.
+    if found is None or not stat.S_ISREG(found.st_mode):
+        return
+    # SQLite keeps a -wal for each name of a file: through a second name, commits could be lost.
     if found.st_nlink > 1:
-        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
-                      " name would keep its own -wal and committed work could be lost", path)
-    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
-    for what, where in (("file", real), ("-wal", real + "-wal"), ("-shm", real + "-shm")):
-        if not _may_use(where):
-            raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
-                                  " writable (WAL writes -wal and -shm beside the file)", where)
-    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes"
-                              " -wal and -shm beside the file)", os.path.dirname(real))
-    return real, wal, shm
-
-
-def _stat(path):
-    """os.stat(path), or None where nothing is there."""
-    try:
-        return os.stat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _may_use(path):
-    """Whether this process may read and write ``path``, as the kernel decides for that very
-    file, ACLs included; True where nothing is there.  Another process's last close removes
-    -wal and -shm at any moment, so on Linux the file is named once (O_PATH opens nothing, and
-    closing it drops none of this process's locks) and judged through that name."""
-    if not hasattr(os, "O_PATH"):
-        return os.access(path, os.R_OK | os.W_OK) or _stat(path) is None
-    try:
-        named = os.open(path, os.O_PATH)
-    except FileNotFoundError:
-        return True
-    try:
-        through = f"/proc/self/fd/{named}"
-        return os.access(through if os.path.exists(through) else path, os.R_OK | os.W_OK)
-    finally:
-        os.close(named)
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link), and"
+                      " each name would keep its own -wal", path)
+    # SQLite would open it read-only, leave a -wal and -shm its owner may not write, and fail
+    # at the first write.
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(errno.EACCES, "the database is not writable by this process",
+                              path)
 
 
 def _create(path, application_id, schema, fill=None):
@@ -563,115 +524,136 @@ def crash_point(name):
 # --- command line: the experiment's child processes, and a reader stepping by hand ----------
 
 def main(argv=None):
-    """preconditions.py COMMAND DB ...: one line of compact sorted-key JSON on stdout, whose
-    "status" says what happened (after READY where --wait or the unsafe baseline waits for GO
-    on stdin), all as UTF-8 bytes.  Exit 0 done, 1 refused or failed (one line on stderr), 2
-    bad usage; at --crash BOUNDARY the process says so on stderr and exits 71, 72 or 73
-    (EXIT_CODES).
+    """preconditions.py COMMAND DB ...: one JSON line on stdout, as UTF-8 bytes whatever the
+    locale, whose "status" says what happened (after READY where --wait or the unsafe baseline
+    waits for GO on stdin).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad
+    usage, and at ``--crash BOUNDARY`` 71, 72 or 73 (EXIT_CODES).
     """
     global CRASH_AT
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    # Text, not paths: read as typed.
-    for name in ("op", "command", "name"):
-        if isinstance(getattr(args, name, None), str):
-            setattr(args, name, _text(getattr(args, name)))
-    if args.subcommand == "init":
-        args.resources = [_text(item) for item in args.resources]
+    args = _parser().parse_args(None if argv is None else list(argv))
     CRASH_AT = getattr(args, "crash", None)
-    issued_at = getattr(args, "issued_at", None)
-    issued_at = getattr(args, "now", None) if issued_at is None else issued_at
     try:
-        if args.subcommand == "init":
-            resources = {}
-            for item in args.resources:
-                name, sep, quantity = item.rpartition("=")
-                if not sep or not name or name in resources or not quantity.lstrip("-").isdigit():
-                    parser.error(f"expected distinct NAME=QTY with an integer QTY, got {item!r}")
-                resources[name] = int(quantity)
-            _emit(dict(init(args.db, resources), status="initialised"))
-            return 0
-        connection = connect(args.db)
-        try:
-            if args.subcommand == "snapshot":
-                _emit(snapshot(connection))
-            elif args.subcommand == "change":
-                _emit(change(connection, args.op, args.name, args.delta, issued_at=issued_at,
-                             now=args.now))
-            elif args.subcommand == "purge":
-                _emit(dict(purge(connection, args.now, args.window), status="purged"))
-            else:
-                command = _json_argument(args.command, "COMMAND_JSON")
-                if args.subcommand.startswith("unsafe"):
-                    _emit(unsafe_check_then_act(connection, args.op, command, pause=_wait_for_go))
-                else:
-                    if args.wait:
-                        _wait_for_go()
-                    _emit(execute(connection, args.op, command, issued_at=issued_at, now=args.now))
-        finally:
-            connection.close()
-        return 0
+        answer = COMMANDS[args.command][0](args)
     except (ValueError, TypeError, OSError, RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
-        sys.stderr.write(f"preconditions.py {args.subcommand}: {type(error).__name__}:"
+        sys.stderr.write(f"preconditions.py {args.command}: {type(error).__name__}:"
                          f" {message}\n")
         return 1
+    try:
+        sys.stdout.buffer.write(_dumps(answer).encode("utf-8") + b"\n")
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        # The reader is gone; the interpreter's exit flush stays quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
+
+
+def _init(args):
+    resources = dict(args.resources)
+    if len(resources) < len(args.resources):
+        raise ValueError("each resource is named once")
+    return dict(init(args.db, resources), status="initialised")
+
+
+def _execute(args):
+    command = _json_argument(args.command_json, "COMMAND_JSON")
+    with contextlib.closing(connect(args.db)) as c:
+        if args.wait:
+            _wait_for_go()
+        return execute(c, args.op, command, issued_at=_issued_at(args), now=args.now)
+
+
+def _change(args):
+    with contextlib.closing(connect(args.db)) as c:
+        return change(c, args.op, args.name, args.delta, issued_at=_issued_at(args),
+                      now=args.now)
+
+
+def _purge(args):
+    with contextlib.closing(connect(args.db)) as c:
+        return dict(purge(c, args.now, args.window), status="purged")
+
+
+def _snapshot(args):
+    with contextlib.closing(connect(args.db)) as c:
+        return snapshot(c)
+
+
+def _unsafe(args):
+    command = _json_argument(args.command_json, "COMMAND_JSON")
+    with contextlib.closing(connect(args.db)) as c:
+        return unsafe_check_then_act(c, args.op, command, pause=_wait_for_go)
+
+
+# Each command: its function, what it does, its arguments (after DB).
+COMMANDS = {
+    "init": (_init, "create a database with each resource at revision 1", ("resources",)),
+    "execute": (_execute, "run a version-checked plan once (第七篇 §2-§6)",
+                ("op", "command_json", "--now", "--issued-at", "--crash", "--wait")),
+    "change": (_change, "quantity + DELTA and revision + 1, once per op (第七篇 §4)",
+               ("op", "name", "delta", "--now", "--issued-at")),
+    # purge decides about no op: it has --now but no --issued-at.
+    "purge": (_purge, "delete receipts older than T - W and raise the low-water mark",
+              ("--now", "--window")),
+    "snapshot": (_snapshot, "print the resources, and how many effects and receipts there are",
+                 ()),
+    "unsafe-check-then-act": (_unsafe, "UNSAFE baseline: check, READY/GO, then write without"
+                              " checking again", ("op", "command_json")),
+}
+ARGUMENTS = {
+    "resources": {"nargs": "+", "metavar": "NAME=QTY", "type": lambda item: _resource(item),
+                  "help": "a resource and its quantity"},
+    "op": {"type": _text, "help": "the operation ID, stable for one decision"},
+    "command_json": {"type": _text, "metavar": "COMMAND_JSON",
+                     "help": 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N,'
+                     ' "expected": {NAME: REVISION, ...}}'},
+    "name": {"type": _text, "help": "the resource"},
+    "delta": {"type": int, "help": "the change of its quantity"},
+    "--now": {"type": int, "required": True, "metavar": "T",
+              "help": "the logical tick it happens at"},
+    "--issued-at": {"type": int, "metavar": "T0",
+                    "help": "the tick the op was decided at (default T); a retry must pass the"
+                    " original one, or after purge it could be decided again"},
+    "--crash": {"choices": EXIT_CODES, "metavar": "BOUNDARY",
+                "help": "die at that boundary with its exit code: "
+                + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items())},
+    "--wait": {"action": "store_true",
+               "help": "print READY, then wait for GO on stdin before the transaction"},
+    "--window": {"type": int, "required": True, "metavar": "W",
+                 "help": "ticks of receipts to keep"},
+}
 
 
 def _parser():
     import argparse
     parser = argparse.ArgumentParser(prog="preconditions.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
-
-    def command(name, text, *positionals, ticks=True):
-        p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("db", metavar="DB", help="the database file")
-        for argument, helptext, *options in positionals:
-            p.add_argument(argument, help=helptext, **(options[0] if options else {}))
-        if ticks:
-            p.add_argument("--now", type=int, required=True, metavar="T",
-                           help="the logical tick it happens at")
-            p.add_argument("--issued-at", type=int, metavar="T0",
-                           help="the tick the op was decided at (default T); a retry must pass"
-                           " the original one, or after purge it could be decided again")
-        return p
-    op = ("op", "the operation ID, stable for one decision")
-    plan = ("command", 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N, "expected":'
-            ' {NAME: REVISION, ...}}', {"metavar": "COMMAND_JSON"})
-    command("init", "create a database with each resource at revision 1",
-            ("resources", "a resource and its quantity", {"nargs": "+", "metavar": "NAME=QTY"}),
-            ticks=False)
-    p = command("execute", "run a version-checked plan once (第七篇 §2-§6)", op, plan)
-    p.add_argument("--crash", choices=EXIT_CODES, metavar="BOUNDARY",
-                   help="die at that boundary with its exit code: "
-                   + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items()))
-    p.add_argument("--wait", action="store_true",
-                   help="print READY, then wait for GO on stdin before the transaction")
-    command("change", "quantity + DELTA and revision + 1, once per op (第七篇 §4)", op,
-            ("name", "the resource"), ("delta", "the change of its quantity", {"type": int}))
-    # purge decides about no op: it has --now but no --issued-at.
-    p = command("purge", "delete receipts older than T - W and raise the low-water mark",
-                ticks=False)
-    p.add_argument("--now", type=int, required=True, metavar="T", help="the logical tick")
-    p.add_argument("--window", type=int, required=True, metavar="W",
-                   help="ticks of receipts to keep")
-    command("snapshot", "print the resources, and how many effects and receipts there are",
-            ticks=False)
-    command("unsafe-check-then-act", "UNSAFE baseline: check, READY/GO, then write without"
-            " checking again", op, plan, ticks=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, text, arguments) in COMMANDS.items():
+        command = commands.add_parser(name, help=text, description=text)
+        command.add_argument("db", metavar="DB", help="the database file")
+        for argument in arguments:
+            command.add_argument(argument, **ARGUMENTS[argument])
     return parser
 
 
-def _emit(value):
-    # UTF-8 bytes whatever the locale: the parent decodes exactly what was meant.
-    text = value if isinstance(value, str) else _dumps(value)
-    sys.stdout.buffer.write(text.encode("utf-8") + b"\n")
-    sys.stdout.buffer.flush()
+def _resource(item):
+    """NAME=QTY from the command line, as (name, quantity); a usage error otherwise."""
+    name, sep, quantity = _text(item).rpartition("=")
+    if not sep or not name or not quantity.lstrip("-").isdigit():
+        import argparse
+        raise argparse.ArgumentTypeError(f"expected NAME=QTY with an integer QTY, got {item!r}")
+    return name, int(quantity)
+
+
+def _issued_at(args):
+    return args.now if args.issued_at is None else args.issued_at
 
 
 def _wait_for_go():
     """READY/GO (第七篇 §6): say READY, then block until the parent writes GO on stdin."""
-    _emit("READY")
+    sys.stdout.buffer.write(b"READY\n")
+    sys.stdout.buffer.flush()
     line = sys.stdin.buffer.readline().decode("utf-8").strip()
     if line != "GO":
         raise ValueError(f"expected GO on stdin, got {line!r}")

@@ -18,8 +18,10 @@ if sys.version_info < (3, 9):
     sys.stderr.write(f"reliability.py needs Python 3.9 or newer, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
+import collections
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -238,10 +240,6 @@ def _replayed(connection, caller, key, text, digest, issued_at):
 
 # --- 第一篇 §4: delivery by a real child process --------------------------------------------
 
-# (caller, key, attempt) this process is delivering right now: reconcile() knows its own.
-_DELIVERING = set()
-
-
 def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
     """第一篇 §4: claim one due row (§5), call its tool in a child, record what can be proven.
 
@@ -257,67 +255,50 @@ def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
 
 
 def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
-    """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record what it said.
+    """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record the reply.
 
-    A valid response is acknowledged, even if the child exits non-zero afterwards (§4).
-    Without one, an idempotent row stays in flight until its lease ends, and an external row
-    becomes unknown, never retried automatically (§6).  An external call is sent at most once
-    per attempt, only while the row is still in flight under it, its tool's pid recorded
-    first; an idempotent call is sent anyway, since the receipt makes a late call harmless
-    (the attempt number guards only the acknowledgement, §5).
+    Refused for good by the receiver: blocked.  A valid response: acknowledged, even if the
+    child then exits non-zero (§4).  No valid answer from a tool without idempotency: unknown,
+    never sent again automatically (§6).  Otherwise the row stays in flight until its lease
+    ends (§5).  Returns what happened, in "status": those four, or "stale" where another
+    attempt holds the row, or "not sent" (see _record_tool).
     """
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
-
-    def record_tool(pid):
-        # Committed before the request leaves, for reconcile(); a second delivery of the same
-        # attempt finds a tool recorded and sends nothing.
-        with transaction(connection):
-            return connection.execute(
-                "UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ?"
-                " AND state = 'inflight' AND attempts = ? AND tool_pid IS NULL",
-                (pid, caller, key, attempt)).rowcount == 1
-    _DELIVERING.add((caller, key, attempt))
-    try:
-        external = row["mode"] == "external"
-        response, exit_code = call_tool(root, row, start=start, timeout=timeout,
-                                        on_start=record_tool if external else None)
-    finally:
-        _DELIVERING.discard((caller, key, attempt))
-    result = {"caller": caller, "key": key, "attempt": attempt, "exit_code": exit_code,
-              "response": None, "acknowledged": False}
-    if exit_code == "refused":
-        return dict(result, exit_code=None, refused="not in flight under this attempt, or"
-                    " already sent under it: nothing was sent")
+    external = row["mode"] == "external"
+    reply = call_tool(root, row, start=start, timeout=timeout,
+                      on_start=functools.partial(_record_tool, connection, row) if external
+                      else None)
+    summary = {"caller": caller, "key": key, "attempt": attempt, "exit_code": reply.exit_code,
+               "response": reply.response, "acknowledged": False}
+    if not reply.sent:
+        return dict(summary, status="not sent")
     # The reply is here, not yet recorded.
     crash_point("after_response_before_ack")
-    if isinstance(response, dict) and response.get("error") in ("conflict", "expired", "corrupt"):
-        # The receiver refused for good: a person, or a new key, decides what follows.
-        _end_attempt(connection, caller, key, attempt, "blocked", response)
-        return dict(result, response=response)
-    try:
-        result["acknowledged"] = response is not None and acknowledge(
-            connection, caller, key, attempt, response)
-        result["response"] = response
-    except ValueError:
-        # Not an answer to this request.
-        response = None
-    if response is None and row["mode"] == "external":
-        # It may or may not have acted.
-        _end_attempt(connection, caller, key, attempt, "unknown")
-    if result["acknowledged"]:
+    if _refused_for_good(reply.response):
+        return dict(summary, status=_end_attempt(connection, row, "blocked", reply.response))
+    if _answers(reply.response, row):
+        if not acknowledge(connection, caller, key, attempt, reply.response):
+            return dict(summary, status="stale")
         # Done is durable.
         crash_point("after_ack")
-    return result
+        return dict(summary, acknowledged=True, status="done")
+    if external:
+        return dict(summary, response=None, status=_end_attempt(connection, row, "unknown"))
+    return dict(summary, response=None, status="inflight")
+
+
+# What call_tool() returns: the tool's reply (None: no valid JSON object line), the child's
+# exit code (None: killed unasked or at the time-out), and whether the request was sent.
+Reply = collections.namedtuple("Reply", "response exit_code sent")
 
 
 def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
-    """第一篇 §4: run the row's tool in a child; (its first reply line as JSON or None, exit code).
+    """第一篇 §4: run the row's tool in a child and return its Reply.
 
     Request and reply cross the pipes as UTF-8 bytes whatever the locale.  ``start(argv)``
     launches ``reliability.py argv...`` with piped stdin and stdout (default: start_child);
     ``on_start(pid)`` runs before the request is sent, and if it returns False the child is
-    killed unasked (exit code "refused").  A child that outlives ``timeout`` is killed and
-    reaped (exit code None).
+    killed unasked.  A child that outlives ``timeout`` is killed and reaped.
     """
     # Only senders spawn: tool children start faster without subprocess.
     import subprocess
@@ -327,26 +308,20 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
                       "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"
     database = os.path.join(root, EXTERNAL if tool == "external" else RECEIVER)
     child = (start or start_child)(["serve", tool, database])
-    outcome = "refused"
+    reply = Reply(None, None, False)
     try:
         if on_start is None or on_start(child.pid):
-            # A child killed at the time-out has no exit code to report.
-            outcome = None
+            reply = Reply(None, None, True)
             output, _ = child.communicate(request, timeout=timeout)
-            outcome = "answered"
+            reply = Reply(_first_object(output), child.returncode, True)
     except subprocess.TimeoutExpired:
         pass
     finally:
         # Refused, timed out or interrupted: never left running.
-        if outcome != "answered":
+        if reply.exit_code is None:
             child.kill()
             child.communicate()
-    if outcome != "answered":
-        return None, outcome
-    try:
-        return json.loads(output.split(b"\n", 1)[0].decode("utf-8")), child.returncode
-    except (ValueError, RecursionError):
-        return None, child.returncode
+    return reply
 
 
 def start_child(argv):
@@ -356,65 +331,114 @@ def start_child(argv):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
+def _record_tool(connection, row, pid):
+    """Before an external request leaves: the tool's pid, committed for reconcile(), only while
+    the row is still in flight under this attempt with no tool recorded; False sends nothing."""
+    with transaction(connection):
+        return connection.execute(
+            "UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ? AND state = 'inflight'"
+            " AND attempts = ? AND tool_pid IS NULL",
+            (pid, row["caller"], row["key"], row["attempt"])).rowcount == 1
+
+
+def _refused_for_good(response):
+    """The receiver's refusal (§3): Conflict, Expired or CorruptRecord, as serve answers them."""
+    return type(response) is dict and response.get("error") in ("conflict", "expired", "corrupt")
+
+
+def _answers(response, row):
+    """Whether ``response`` is a valid answer to the row's request (check_response)."""
+    try:
+        check_response(response, row["caller"], row["key"], row["digest"])
+    except ValueError:
+        return False
+    return True
+
+
+def _first_object(output):
+    """The first line of a child's output as a JSON object, or None."""
+    try:
+        value = json.loads(output.split(b"\n", 1)[0].decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    return value if type(value) is dict else None
+
+
 # --- 第一篇 §5: atomic claims with attempt numbers ------------------------------------------
 
 def claim(connection, now):
     """第一篇 §5: atomically take the oldest due row (issued by ``now``, pending or in flight
     past its lease): attempt + 1, leased to now + LEASE_TICKS; of racing claimers one wins.
-    On its way an expired external row becomes unknown (§6), and one unanswered MAX_ATTEMPTS
-    times, or not as enqueue() stores it, is blocked with its reason."""
+    Rows that may not be sent are parked on the way, with their reason (see _sendable)."""
     check_ticks(0, now)
     with transaction(connection):
-        while True:
-            row = _oldest_due(connection, now)
-            if row is None:
-                return None
-            number, state, mode, attempts, used, intent = row
-            # An external attempt may have reached its tool: never sent again.
-            if state == "inflight" and mode == "external":
-                parked = "unknown", None
-            elif used >= MAX_ATTEMPTS:
-                parked = "blocked", _dumps({"error": f"no valid answer after {used} attempts"})
-            elif intent is None:
-                parked = "blocked", _dumps({"error": "corrupt intent: not the text, payload and"
-                                                     " digest enqueue() stores"})
-            else:
-                # The owner's pid: reconcile() takes absence as proof only once it is gone.
-                connection.execute("UPDATE outbox SET state = 'inflight', attempts = ?,"
-                                   " lease_until = ?, owner_pid = ?, tool_pid = NULL WHERE id = ?",
-                                   (attempts + 1, now + LEASE_TICKS, os.getpid(), number))
-                return dict(intent, attempt=attempts + 1, now=now)
-            connection.execute("UPDATE outbox SET state = ?, response = coalesce(?, response)"
-                               " WHERE id = ?", (*parked, number))
+        row = _sendable(connection, now)
+        if row is None:
+            return None
+        # The owner's pid: reconcile() takes absence as proof only once it is gone.
+        connection.execute("UPDATE outbox SET state = 'inflight', attempts = attempts + 1,"
+                           " lease_until = ?, owner_pid = ?, tool_pid = NULL WHERE id = ?",
+                           (now + LEASE_TICKS, os.getpid(), row.pop("id")))
+        return dict(row, attempt=row.pop("attempts") + 1, now=now)
+
+
+def _sendable(connection, now):
+    """The oldest due row that may be sent, as claim() returns it, or None.  On the way, in
+    claim()'s transaction: an external row whose lease ended becomes unknown (§6: its attempt
+    may have reached the tool), and a row unanswered MAX_ATTEMPTS times since a person last
+    decided, or not what enqueue() stores, is blocked with its reason."""
+    while True:
+        found = _oldest_due(connection, now)
+        if found is None:
+            return None
+        number, state, mode, used, row, fault = found
+        if state == "inflight" and mode == "external":
+            parked = "unknown", None
+        elif fault is not None:
+            parked = "blocked", {"error": f"corrupt intent: {fault}"}
+        elif used >= MAX_ATTEMPTS:
+            parked = "blocked", {"error": f"no valid answer after {used} attempts"}
+        else:
+            return dict(row, id=number)
+        connection.execute("UPDATE outbox SET state = ?, response = coalesce(?, response)"
+                           " WHERE id = ?", (parked[0], parked[1] and _dumps(parked[1]), number))
 
 
 def _oldest_due(connection, now):
-    """(id, state, mode, attempts, attempts since a person last decided, intent) of the oldest
-    due row, or None; the intent is None where the row is not what enqueue() stores.  Stored
-    text is read as bytes: what another program wrote cannot raise here."""
-    row = connection.execute(
-        "SELECT o.id, o.state, o.attempts, o.attempts - coalesce((SELECT max(attempt)"
-        " FROM resolutions s WHERE s.caller = o.caller AND s.key = o.key), 0), r.mode,"
-        " r.issued_at, (typeof(o.caller), typeof(o.key), typeof(r.digest), typeof(r.payload),"
-        " typeof(o.attempts), typeof(r.issued_at)) = ('text', 'text', 'text', 'text', 'integer',"
-        " 'integer'), CAST(o.caller AS BLOB), CAST(o.key AS BLOB), CAST(r.digest AS BLOB),"
-        " CAST(r.payload AS BLOB) FROM outbox o JOIN requests r ON r.caller = o.caller"
+    """(id, state, mode, attempts since a person last decided, the row as claim() returns it,
+    what is wrong with it) of the oldest due row, or None.  The row is None and the fault a reason
+    where it is not what enqueue() stores; stored text is read as bytes, so that what another
+    program wrote cannot raise here."""
+    found = connection.execute(
+        "SELECT o.id, o.state, o.attempts - coalesce((SELECT max(attempt) FROM resolutions s"
+        " WHERE s.caller = o.caller AND s.key = o.key), 0), (typeof(o.caller), typeof(o.key),"
+        " typeof(r.digest), typeof(r.payload)) = ('text', 'text', 'text', 'text'), o.attempts,"
+        " r.issued_at, r.mode, CAST(o.caller AS BLOB), CAST(o.key AS BLOB), CAST(r.digest AS"
+        " BLOB), CAST(r.payload AS BLOB) FROM outbox o JOIN requests r ON r.caller = o.caller"
         " AND r.key = o.key WHERE (o.state = 'pending' OR o.state = 'inflight'"
         " AND o.lease_until <= ?) AND r.issued_at <= ? ORDER BY o.id LIMIT 1",
         (now, now)).fetchone()
-    if row is None:
+    if found is None:
         return None
-    number, state, attempts, used, mode, issued_at, typed = row[:7]
-    intent = None
+    number, state, used, texts, attempts, issued_at, mode = found[:7]
     try:
-        caller, key, digest, text = (value.decode("utf-8") for value in row[7:])
+        if not texts:
+            raise ValueError("caller, key, digest and payload must be stored as text")
+        caller, key, digest, text = (value.decode("utf-8") for value in found[7:])
+        check_identity(caller, key)
+        check_ticks(issued_at, issued_at)
+        if type(attempts) is not int or not 0 <= attempts < MAX_TICK:
+            raise ValueError(f"attempts must be an int from 0 to {MAX_TICK - 1}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
         payload = json.loads(text)
-        if typed and canonical(payload) == (text, digest):
-            intent = {"caller": caller, "key": key, "mode": mode, "digest": digest,
-                      "payload": payload, "issued_at": issued_at}
-    except (ValueError, TypeError, RecursionError):
-        pass
-    return number, state, mode, attempts, used, intent
+        if canonical(payload) != (text, digest):
+            raise ValueError("the payload is not the canonical text its digest names")
+    except (ValueError, TypeError, RecursionError) as error:
+        return number, state, mode, used, None, str(error) or type(error).__name__
+    row = {"caller": caller, "key": key, "mode": mode, "digest": digest, "payload": payload,
+           "issued_at": issued_at, "attempts": attempts}
+    return number, state, mode, used, row, None
 
 
 def acknowledge(connection, caller, key, attempt, response):
@@ -481,7 +505,8 @@ def reconcile(connection, tool, caller, key, now):
     One matching ticket makes the row done with it.  No ticket sends the row back to pending
     only once the unanswered attempt can no longer act: its lease has ended, and the processes
     that held it (sender and tool child, same machine) are gone; this process counts as gone
-    unless it is delivering that attempt itself.  Anything less certain leaves it unknown.
+    (it acts only through a tool child, recorded before it is asked).  Anything less certain
+    leaves it unknown.
     Returns a dict whose "status" is the row's state.
     """
     check_identity(caller, key)
@@ -495,10 +520,10 @@ def reconcile(connection, tool, caller, key, now):
     state, attempt, lease_until, owner_pid, tool_pid, digest = row
     if state != "unknown":
         return {"status": state, "reason": "not unknown: nothing to reconcile"}
-    # Decided before the lookup: once nobody can act, an absent ticket stays absent.
+    # Decided before the lookup: once nobody can act, an absent ticket stays absent.  This
+    # process acts for an attempt only through its tool child, whose pid is recorded first.
     others = [pid for pid in (owner_pid, tool_pid) if pid and pid != os.getpid()]
-    can_act = (now < (lease_until or 0) or (caller, key, attempt) in _DELIVERING
-               or any(map(_alive, others)))
+    can_act = now < (lease_until or 0) or any(map(_alive, others))
     found = lookup_external(tool, caller, key)
     if len(found) == 1 and found[0]["digest"] == digest:
         return _settle(connection, caller, key, attempt, "done", _dumps(found[0]),
@@ -577,15 +602,17 @@ def purge(connection, now, window):
     return {"deleted": deleted, "low_water": mark}
 
 
-def _end_attempt(connection, caller, key, attempt, state, response=None):
-    """The attempt's owner gives it up as ``state``: its tool child is reaped, so nobody can act
-    for it any more (the pids reconcile() would wait for are cleared)."""
+def _end_attempt(connection, row, state, response=None):
+    """The attempt's owner gives it up as ``state``, if the row is still in flight under it
+    ("stale" otherwise): its tool child is reaped, so nobody can act for it any more (the pids
+    reconcile() would wait for are cleared)."""
     with transaction(connection):
-        connection.execute(
+        ended = connection.execute(
             "UPDATE outbox SET state = ?, response = coalesce(?, response), owner_pid = NULL,"
             " tool_pid = NULL WHERE caller = ? AND key = ? AND state = 'inflight'"
-            " AND attempts = ?",
-            (state, None if response is None else _dumps(response), caller, key, attempt))
+            " AND attempts = ?", (state, None if response is None else _dumps(response),
+                                  row["caller"], row["key"], row["attempt"])).rowcount
+    return state if ended else "stale"
 
 
 def _settle(connection, caller, key, attempt, state, response, answer):
@@ -644,7 +671,8 @@ def snapshot(connection):
     """What one of our databases holds, read in one transaction: for observers, tests, a reader.
 
     sender.db: the number of intents, the outbox rows with their request's digest (what
-    resolve()'s evidence must carry) and the response recorded, and the audit rows;
+    resolve()'s evidence must carry) and the response recorded, the rows parked for a person
+    (unknown or blocked) with the reason, and the audit rows;
     receiver.db: the number of tickets, the receipts and the low-water mark; external.db: its
     tickets, each in the form of the tool's response.  Meant for small databases.
     """
@@ -657,19 +685,25 @@ def snapshot(connection):
         one = lambda sql: connection.execute(sql).fetchone()[0]
         kind = one("PRAGMA application_id")
         if kind == KINDS[SENDER]:
-            outbox = rows("SELECT o.caller, o.key, r.mode, o.state, o.attempts, o.lease_until,"
-                          " r.digest, o.response FROM outbox o JOIN requests r"
-                          " ON r.caller = o.caller AND r.key = o.key ORDER BY o.id", "caller",
-                          "key", "mode", "state", "attempts", "lease_until", "digest", "response")
+            # Read as bytes, so that a row another program damaged is still shown.
+            outbox = rows("SELECT CAST(o.caller AS BLOB), CAST(o.key AS BLOB), r.mode, o.state,"
+                          " o.attempts, o.lease_until, r.digest, CAST(o.response AS BLOB)"
+                          " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key ="
+                          " o.key ORDER BY o.id", "caller", "key", "mode", "state", "attempts",
+                          "lease_until", "digest", "response")
+            for row in outbox:
+                row.update(caller=_shown(row["caller"]), key=_shown(row["key"]),
+                           response=_stored_json(row["response"]))
             audit = rows("SELECT caller, key, attempt, decision, decided_by, reason, evidence"
                          " FROM resolutions ORDER BY id", "caller", "key", "attempt", "decision",
                          "decided_by", "reason", "evidence")
-            # Both stored as JSON text.
-            for row in outbox + audit:
-                field = "response" if "response" in row else "evidence"
-                row[field] = json.loads(row[field]) if row[field] else None
+            for row in audit:
+                row["evidence"] = _stored_json(row["evidence"])
+            parked = [{"caller": row["caller"], "key": row["key"], "state": row["state"],
+                       "reason": _parked_because(row)} for row in outbox
+                      if row["state"] in ("unknown", "blocked")]
             return {"intent_rows": one("SELECT count(*) FROM requests"), "outbox": outbox,
-                    "resolutions": audit}
+                    "parked": parked, "resolutions": audit}
         if kind == KINDS[RECEIVER]:
             return {"tickets": one("SELECT count(*) FROM tickets"),
                     "low_water": one("SELECT low_water FROM retention"),
@@ -681,6 +715,31 @@ def snapshot(connection):
     finally:
         if own:
             connection.execute("COMMIT")
+
+
+def _parked_because(row):
+    """Why an unknown or blocked row waits for a person, from what its state and response say."""
+    if row["state"] == "unknown":
+        return ("no valid answer from a tool without receipts, which may have acted: never sent"
+                " again automatically (reconcile, or resolve by hand)")
+    refusal = row["response"] if type(row["response"]) is dict else {}
+    reason = " ".join(str(refusal.get(name, "")) for name in ("error", "message")).strip()
+    return reason or "blocked"
+
+
+def _shown(data):
+    """Stored bytes as text, with backslash escapes where they are not UTF-8."""
+    return None if data is None else data.decode("utf-8", "backslashreplace")
+
+
+def _stored_json(data):
+    """Stored JSON as what it holds, or as the text it is where it does not parse."""
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return _shown(data) if type(data) is bytes else data
 
 
 def canonical(payload):
@@ -755,103 +814,64 @@ def check_ticks(issued_at, now):
 
 
 def _open(path, application_ids):
-    """Open an existing database of ours: WAL verified, synchronous=FULL, foreign keys on.
-
-    Never creates a file.  Missing, not a regular file, unreadable or read-only (the file, its
-    -wal or -shm, or its directory), a file with a second name (each name would get its own
-    -wal), not SQLite, not ours, another schema version, or a -wal left without its -shm that
-    does not pass SQLite's quick_check: each raises naming the path, and the file and its -wal
-    are left byte for byte (SQLite may have made a -shm).
-    """
-    real, wal, shm = _usable_file(path)
-    # "file://" and an empty authority, so that a path starting with // stays a path.
-    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
+    keys on, autocommit (transaction() begins).  A missing file is never created (mode=rw).
+    Whatever SQLite refuses, and another kind of file or schema version, a second name or a
+    file this process may not write, raise before anything is written, naming the path."""
+    # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
+        "#", "%23") + "?mode=rw"
+    _check_file(path)
     try:
-        # Looked at read-only first, so a refused file is left as it was: a read-only
-        # connection never checkpoints, and with no -wal to read it looks at the file alone
-        # (immutable).  A -wal left without a -shm (no process had it open) is checked whole.
-        alone = "" if wal else "&immutable=1"
-        with contextlib.closing(sqlite3.connect(uri + "?mode=ro" + alone, uri=True,
-                                                isolation_level=None)) as look:
-            kind, version = (look.execute(f"PRAGMA {name}").fetchone()[0]
-                             for name in ("application_id", "user_version"))
-            if wal and not shm and look.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
-                raise sqlite3.DatabaseError("its -wal, left without a -shm, does not fit the"
-                                            " file (quick_check)")
-        # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
-        if kind == 0 and version in application_ids:
-            kind, version = version, 1
-        if kind not in application_ids:
-            raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
-        if version != SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
-                                        f" {SCHEMA_VERSION}")
-        connection = sqlite3.connect(uri + "?mode=rw", uri=True, isolation_level=None,
-                                     timeout=BUSY_TIMEOUT)
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
     except sqlite3.Error as error:
-        raise type(error)(f"{path}: {error}; nothing was written") from None
+        raise type(error)(f"{path}: {error}") from None
     try:
+        _check_kind(connection, application_ids)
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
             raise sqlite3.DatabaseError("cannot run in WAL mode")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA foreign_keys=ON")
-    except sqlite3.Error as error:
+    except BaseException as error:
         connection.close()
-        raise type(error)(f"{path}: {error}") from None
+        if isinstance(error, sqlite3.Error):
+            raise type(error)(f"{path}: {error}") from None
+        raise
     return connection
 
 
-def _usable_file(path):
-    """(the file's real path, stat of its -wal, stat of its -shm; None where absent) for _open,
-    or the error naming what is wrong with it."""
-    # Through a symlink: SQLite keeps -wal and -shm beside the target.
-    real = os.path.realpath(path)
-    found = _stat(real)
-    if found is None:
-        raise FileNotFoundError(errno.ENOENT, "no such database (it is never created on open)",
-                                path)
-    if stat.S_ISDIR(found.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a database", path)
-    if not stat.S_ISREG(found.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file, so not a database", path)
+def _check_kind(connection, application_ids):
+    """Refuses, before anything is written, a database of another kind or schema version."""
+    kind, version = (connection.execute(f"PRAGMA {name}").fetchone()[0]
+                     for name in ("application_id", "user_version"))
+    # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
+    if kind == 0 and version in application_ids:
+        kind, version = version, 1
+    if kind not in application_ids:
+        raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
+    if version != SCHEMA_VERSION:
+        raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
+                                    f" {SCHEMA_VERSION}")
+
+
+def _check_file(path):
+    """The two things SQLite would take silently, refused naming the path before it opens it."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        found = None
+    # Missing, out of reach or no regular file: SQLite says so.
+    if found is None or not stat.S_ISREG(found.st_mode):
+        return
+    # SQLite keeps a -wal for each name of a file: through a second name, commits could be lost.
     if found.st_nlink > 1:
-        raise OSError(errno.EMLINK, "the database has more than one name (a hard link): each"
-                      " name would keep its own -wal and committed work could be lost", path)
-    wal, shm = _stat(real + "-wal"), _stat(real + "-shm")
-    for what, where in (("file", real), ("-wal", real + "-wal"), ("-shm", real + "-shm")):
-        if not _may_use(where):
-            raise PermissionError(errno.EACCES, f"the database {what} is not readable and"
-                                  " writable (WAL writes -wal and -shm beside the file)", where)
-    if not os.access(os.path.dirname(real), os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "the database directory is not writable (WAL writes"
-                              " -wal and -shm beside the file)", os.path.dirname(real))
-    return real, wal, shm
-
-
-def _stat(path):
-    """os.stat(path), or None where nothing is there."""
-    try:
-        return os.stat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _may_use(path):
-    """Whether this process may read and write ``path``, as the kernel decides for that very
-    file, ACLs included; True where nothing is there.  Another process's last close removes
-    -wal and -shm at any moment, so on Linux the file is named once (O_PATH opens nothing, and
-    closing it drops none of this process's locks) and judged through that name."""
-    if not hasattr(os, "O_PATH"):
-        return os.access(path, os.R_OK | os.W_OK) or _stat(path) is None
-    try:
-        named = os.open(path, os.O_PATH)
-    except FileNotFoundError:
-        return True
-    try:
-        through = f"/proc/self/fd/{named}"
-        return os.access(through if os.path.exists(through) else path, os.R_OK | os.W_OK)
-    finally:
-        os.close(named)
+        raise OSError(errno.EMLINK, "the database has more than one name (a hard link), and"
+                      " each name would keep its own -wal", path)
+    # SQLite would open it read-only, leave a -wal and -shm its owner may not write, and fail
+    # at the first write.
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(errno.EACCES, "the database is not writable by this process",
+                              path)
 
 
 def _create(path, application_id, schema, fill=None):
@@ -949,11 +969,12 @@ def unsafe_dispatch_mark_before(connection, root, now, *, start=None, timeout=CH
     row = claim(connection, now)
     if row is None:
         return None
-    _end_attempt(connection, row["caller"], row["key"], row["attempt"], "done")
+    _end_attempt(connection, row, "done")
     crash_point("after_mark_before_send")
-    response, exit_code = call_tool(root, row, start=start, timeout=timeout)
+    reply = call_tool(root, row, start=start, timeout=timeout)
     return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"],
-            "exit_code": exit_code, "response": response, "acknowledged": False}
+            "exit_code": reply.exit_code, "response": reply.response, "acknowledged": False,
+            "status": "done"}
 
 
 def unsafe_delete_receipts(connection, before_tick):
@@ -983,44 +1004,37 @@ def crash_point(name):
 
 # --- command line: the experiment's child processes, and a reader stepping by hand ----------
 
-# serve TOOL: the process that owns the tool's crash boundaries.
-TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}
-
-
 def main(argv=None):
-    """reliability.py COMMAND ...: one JSON line on stdout (UTF-8 bytes whatever the locale).
-
-    Each command's line says what happened in its "status"; snapshot prints what the three
-    databases hold; ``serve TOOL DB`` is a tool child (one request line on stdin, one reply
-    line out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad usage.  At
-    ``--crash BOUNDARY`` the process says so on stderr and exits CRASH_EXIT; dispatch and
-    deliver pass a tool child's boundary on to the child they start.
+    """reliability.py COMMAND ...: one JSON line on stdout, as UTF-8 bytes whatever the locale,
+    whose "status" says what happened; ``serve`` is a tool child (one request line on stdin,
+    its reply out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad usage,
+    CRASH_EXIT at ``--crash BOUNDARY``; dispatch and deliver pass a tool child's boundary on to
+    the child they start.
     """
     global CRASH_AT
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    # Text, not paths: read as typed.
-    for name in ("caller", "key", "payload", "by", "why", "evidence"):
-        if isinstance(getattr(args, name, None), str):
-            setattr(args, name, _text(getattr(args, name)))
+    args = parser.parse_args(None if argv is None else list(argv))
     crash = getattr(args, "crash", None)
     if args.command == "serve" and crash and BOUNDARIES[crash] != TOOLS[args.tool]:
         parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
-    tools = ("receiver", "external")
-    passed_on = crash if args.command != "serve" and BOUNDARIES.get(crash) in tools else None
+    passed_on = args.command != "serve" and BOUNDARIES.get(crash) in TOOLS.values()
     CRASH_AT = None if passed_on else crash
     try:
-        result = _serve(args) if args.command == "serve" else _run(args, passed_on)
+        answer = COMMANDS[args.command][0](args)
     except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError,
             OverflowError, RecursionError, sqlite3.Error) as error:
         message = " ".join(str(error).split()) or type(error).__name__
         sys.stderr.write(f"reliability.py {args.command}: {type(error).__name__}: {message}\n")
         return 1
     # serve: the sender went away, nobody to answer.
-    if result is None:
+    if answer is None:
         return 1
+    # Still alive: that boundary was never met (a tool child's, unless it exited CRASH_EXIT).
+    if crash and args.command != "serve" and not (passed_on and
+                                                  answer.get("exit_code") == CRASH_EXIT):
+        answer["not_reached"] = crash
     try:
-        sys.stdout.buffer.write(result + b"\n")
+        sys.stdout.buffer.write(_dumps(answer).encode("utf-8") + b"\n")
         sys.stdout.buffer.flush()
     except BrokenPipeError:
         # The reader is gone; the interpreter's exit flush stays quiet too.
@@ -1031,163 +1045,148 @@ def main(argv=None):
     return 0
 
 
-def _parser():
-    import argparse
-    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    mine = lambda *owners: [b for b, owner in BOUNDARIES.items() if owner in owners]
+def _init(args):
+    init(args.root)
+    return {"status": "initialised", "databases": list(KINDS)}
 
-    def command(name, text, *positionals, now=True, crashes=()):
-        p = sub.add_parser(name, help=text, description=text)
-        if name != "serve":
-            p.add_argument("root", metavar="ROOT",
-                           help="the folder of sender.db, receiver.db and external.db")
-        for argument, helptext, *choices in positionals:
-            p.add_argument(argument, help=helptext, choices=choices[0] if choices else None)
-        if now:
-            p.add_argument("--now", type=int, required=True, metavar="T",
-                           help="the logical tick it happens at")
-        if crashes:
-            p.add_argument("--crash", choices=crashes, metavar="BOUNDARY",
-                           help=f"exit {CRASH_EXIT} at that boundary: {', '.join(crashes)}")
-        return p
-    caller = ("caller", "who asks (the caller of the request ID)")
-    key = ("key", "the request ID, stable for one intent")
-    delivery = mine("receiver", "external", "dispatch")
-    wait = dict(action="store_true",
-                help="print READY, then wait for GO on stdin (racers start together)")
-    command("init", "create the three databases in ROOT", now=False)
-    command("enqueue", "write an intent and its outbox row (第一篇 §2)", caller, key,
-            ("payload", "the intent's parameters, a JSON object"),
-            crashes=mine("enqueue")).add_argument(
-        "--mode", choices=MODES, default="idempotent",
-        help="the receiver with receipts, or a tool without (§6)")
-    command("claim", "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)"
-            ).add_argument("--wait", **wait)
-    command("dispatch", "claim a due row and call its tool in a child process (§4-§6)",
-            crashes=delivery)
-    command("deliver", "call the tool for a row claimed earlier, under that attempt", caller,
-            key, crashes=[b for b in delivery if b != "after_claim"]).add_argument(
-        "--attempt", type=int, required=True, metavar="N",
-        help="the attempt number the claim gave")
-    command("serve", "a tool child: answer one request line on stdin",
-            ("tool", "which tool", list(TOOLS)), ("db", "its database file"), now=False,
-            crashes=mine("receiver", "external")).add_argument("--wait", **wait)
-    command("snapshot", "print what the three databases hold", now=False)
-    command("reconcile", "settle an unknown row from the external tool's own records", caller,
-            key)
-    p = command("resolve", "record a person's decision on an unknown or blocked row", caller,
-                key, ("decision", "what the person decided", ["done", "retry", "abandon"]),
-                now=False)
-    p.add_argument("--by", required=True, help="who decides")
-    p.add_argument("--why", required=True, help="the reason, kept in the audit row")
-    p.add_argument("--evidence", help="for done: the tool's response, a JSON object with exactly"
-                   " caller, key, digest and ticket_id (snapshot lists the external tool's"
-                   " tickets in that form)")
-    command("purge", "delete receipts older than T - W and raise the low-water mark"
-            ).add_argument("--window", type=int, required=True, metavar="W",
-                           help="ticks of receipts to keep")
-    command("unsafe-dispatch-mark-before", "UNSAFE baseline: record done, then send",
-            crashes=mine("unsafe-dispatch-mark-before"))
-    return parser
+
+def _enqueue(args):
+    payload = _json_argument(args.payload, "PAYLOAD")
+    with _opened(args.root, SENDER) as (sender,):
+        status = enqueue(sender, args.caller, args.key, payload, now=args.now, mode=args.mode)
+    return {"status": status, "caller": args.caller, "key": args.key, "mode": args.mode}
+
+
+def _claim(args):
+    with _opened(args.root, SENDER) as (sender,):
+        if args.wait:
+            _wait_for_go()
+        row = claim(sender, args.now)
+    return {"status": "nothing due", "now": args.now} if row is None else dict(row,
+                                                                               status="claimed")
+
+
+def _dispatch(args):
+    with _opened(args.root, SENDER) as (sender,):
+        return _told(dispatch(sender, args.root, args.now, start=_launcher(args.crash)),
+                     args.now)
+
+
+def _deliver(args):
+    if args.attempt < 1:
+        raise ValueError(f"attempt {args.attempt} was never claimed: attempts count from 1")
+    with _opened(args.root, SENDER) as (sender,):
+        row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
+        return _told(deliver(sender, args.root, row, start=_launcher(args.crash)))
 
 
 def _serve(args):
-    """A tool child's answer to one request line on stdin, as UTF-8 JSON bytes (None: nobody
-    asked)."""
     line = sys.stdin.buffer.readline()
     # The sender went away before asking: nothing to answer, nothing to say.
     if not line:
         return None
     request = json.loads(line.decode("utf-8"))
     caller, key, payload = request["caller"], request["key"], request["payload"]
-    connection = connect(args.db)
-    try:
+    with contextlib.closing(connect(args.db)) as connection:
         if args.wait:
             _wait_for_go()
-        if args.tool == "receive":
-            response = receive(connection, caller, key, payload, issued_at=request["issued_at"],
-                               now=request["now"])
-        else:
-            act = external_create_ticket if args.tool == "external" else \
-                unsafe_receive_without_receipt
-            response = act(connection, caller, key, payload)
-    except (Conflict, Expired, CorruptRecord) as error:
-        # Refusals for good: the sender blocks the row at once.
-        refusal = {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt")
-        response = {"error": refusal, "message": str(error)}
-    finally:
-        connection.close()
-    return _dumps(response).encode("utf-8")
+        try:
+            if args.tool == "receive":
+                return receive(connection, caller, key, payload,
+                               issued_at=request["issued_at"], now=request["now"])
+            act = (external_create_ticket if args.tool == "external"
+                   else unsafe_receive_without_receipt)
+            return act(connection, caller, key, payload)
+        except (Conflict, Expired, CorruptRecord) as error:
+            # Refusals for good: the sender blocks the row at once.
+            refusal = {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt")
+            return {"error": refusal, "message": str(error)}
 
 
-def _run(args, passed_on):
-    """Run one command; its line as UTF-8 JSON bytes, with a "status" that says what happened."""
-    if args.command == "init":
-        init(args.root)
-        return _line({"status": "initialised", "databases": list(KINDS)})
-    opened = []
-
-    def open_(name):
-        opened.append(connect(os.path.join(args.root, name)))
-        return opened[-1]
-    try:
-        if args.command == "snapshot":
-            return _line({name[:-3]: snapshot(open_(name)) for name in KINDS})
-        if args.command == "purge":
-            return _line(dict(purge(open_(RECEIVER), args.now, args.window), status="purged"))
-        sender = open_(SENDER)
-        if args.command == "enqueue":
-            payload = _json_argument(args.payload, "PAYLOAD")
-            status = enqueue(sender, args.caller, args.key, payload, now=args.now, mode=args.mode)
-            return _line({"status": status, "caller": args.caller, "key": args.key,
-                          "mode": args.mode})
-        if args.command == "reconcile":
-            return _line(reconcile(sender, open_(EXTERNAL), args.caller, args.key, args.now))
-        if args.command == "resolve":
-            evidence = None if args.evidence is None else _json_argument(args.evidence,
-                                                                         "--evidence")
-            return _line(resolve(sender, args.caller, args.key, args.decision, by=args.by,
-                                 why=args.why, evidence=evidence))
-        due = _in_line(sender)
-        start = None if passed_on is None else _passing_on(passed_on)
-        if args.command == "claim":
-            if args.wait:
-                _wait_for_go()
-            row = claim(sender, args.now)
-            result = ({"status": "nothing due", "now": args.now} if row is None
-                      else dict(row, status="claimed"))
-        elif args.command == "deliver":
-            row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
-            made = sender.execute("SELECT attempts FROM outbox WHERE caller = ? AND key = ?",
-                                  (args.caller, args.key)).fetchone()[0]
-            # A late delivery is of an attempt that was claimed.
-            if not 1 <= args.attempt <= made:
-                raise ValueError(f"attempt {args.attempt} of {args.caller!r}/{args.key!r} was"
-                                 " never claimed")
-            result = _delivered(sender, deliver(sender, args.root, row, start=start))
-        elif args.command == "dispatch":
-            result = _delivered(sender, dispatch(sender, args.root, args.now, start=start),
-                                args.now)
-        else:
-            result = _delivered(sender, unsafe_dispatch_mark_before(sender, args.root, args.now),
-                                args.now)
-            result["note"] = "UNSAFE baseline: recorded as done before anything was sent"
-        # Rows a claim parked on its way: an expired external row, or one it cannot send.
-        parked = _parked(sender, due, result)
-        if parked:
-            result["parked"] = parked
-        # Still alive: that boundary was never met.
-        if getattr(args, "crash", None) and (passed_on is None
-                                             or result.get("exit_code") != CRASH_EXIT):
-            result["not_reached"] = args.crash
-        return _line(result)
-    finally:
-        for connection in opened:
-            connection.close()
+def _snapshot(args):
+    with _opened(args.root, *KINDS) as connections:
+        return {name[:-3]: snapshot(c) for name, c in zip(KINDS, connections)}
 
 
-# What a delivery left its row as, for a reader of dispatch's line.
+def _reconcile(args):
+    with _opened(args.root, SENDER, EXTERNAL) as (sender, tool):
+        return reconcile(sender, tool, args.caller, args.key, args.now)
+
+
+def _resolve(args):
+    evidence = None if args.evidence is None else _json_argument(args.evidence, "--evidence")
+    with _opened(args.root, SENDER) as (sender,):
+        return resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why,
+                       evidence=evidence)
+
+
+def _purge(args):
+    with _opened(args.root, RECEIVER) as (receiver,):
+        return dict(purge(receiver, args.now, args.window), status="purged")
+
+
+def _unsafe_dispatch(args):
+    with _opened(args.root, SENDER) as (sender,):
+        told = _told(unsafe_dispatch_mark_before(sender, args.root, args.now,
+                                                 start=_launcher(args.crash)), args.now)
+    return dict(told, note="UNSAFE baseline: recorded as done before anything was sent")
+
+
+# serve TOOL: the process that owns the tool's crash boundaries.
+TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}
+SERVED = tuple(b for b, owner in BOUNDARIES.items() if owner in ("receiver", "external"))
+DELIVERED = tuple(b for b, owner in BOUNDARIES.items() if owner == "dispatch") + SERVED
+# Each command: its function, what it does, its arguments, the boundaries its --crash takes.
+COMMANDS = {
+    "init": (_init, "create the three databases in ROOT", ("root",), ()),
+    "enqueue": (_enqueue, "write an intent and its outbox row (第一篇 §2)",
+                ("root", "caller", "key", "payload", "--now", "--mode"),
+                ("before_intent_commit", "after_intent_commit")),
+    "claim": (_claim, "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)",
+              ("root", "--now", "--wait"), ()),
+    "dispatch": (_dispatch, "claim a due row and call its tool in a child process (§4-§6)",
+                 ("root", "--now"), DELIVERED),
+    "deliver": (_deliver, "call the tool for a row claimed earlier, under that attempt",
+                ("root", "caller", "key", "--attempt", "--now"),
+                tuple(b for b in DELIVERED if b != "after_claim")),
+    "serve": (_serve, "a tool child: answer one request line on stdin",
+              ("tool", "db", "--wait"), SERVED),
+    "snapshot": (_snapshot, "print what the three databases hold, parked rows with why",
+                 ("root",), ()),
+    "reconcile": (_reconcile, "settle an unknown row from the external tool's own records",
+                  ("root", "caller", "key", "--now"), ()),
+    "resolve": (_resolve, "record a person's decision on an unknown or blocked row",
+                ("root", "caller", "key", "decision", "--by", "--why", "--evidence"), ()),
+    "purge": (_purge, "delete receipts older than T - W and raise the low-water mark",
+              ("root", "--now", "--window"), ()),
+    "unsafe-dispatch-mark-before": (_unsafe_dispatch, "UNSAFE baseline: record done, then send",
+                                    ("root", "--now"), ("after_mark_before_send",)),
+}
+ARGUMENTS = {
+    "root": {"metavar": "ROOT", "help": "the folder of sender.db, receiver.db and external.db"},
+    "caller": {"type": _text, "help": "who asks (the caller of the request ID)"},
+    "key": {"type": _text, "help": "the request ID, stable for one intent"},
+    "payload": {"type": _text, "help": "the intent's parameters, a JSON object"},
+    "tool": {"choices": TOOLS, "help": "which tool"},
+    "db": {"help": "its database file"},
+    "decision": {"choices": ("done", "retry", "abandon"), "help": "what the person decided"},
+    "--now": {"type": int, "required": True, "metavar": "T",
+              "help": "the logical tick it happens at"},
+    "--mode": {"choices": MODES, "default": "idempotent",
+               "help": "the receiver with receipts, or a tool without (§6)"},
+    "--wait": {"action": "store_true",
+               "help": "print READY, then wait for GO on stdin (racers start together)"},
+    "--attempt": {"type": int, "required": True, "metavar": "N",
+                  "help": "the attempt number the claim gave"},
+    "--by": {"type": _text, "required": True, "help": "who decides"},
+    "--why": {"type": _text, "required": True, "help": "the reason, kept in the audit row"},
+    "--evidence": {"type": _text, "help": "for done: the tool's response, a JSON object with"
+                   " exactly caller, key, digest and ticket_id (snapshot lists the external"
+                   " tool's tickets in that form)"},
+    "--window": {"type": int, "required": True, "metavar": "W",
+                 "help": "ticks of receipts to keep"},
+}
+# What a delivery's status means, for a reader of dispatch's line.
 NOTES = {
     "done": "recorded as done with the tool's answer",
     "inflight": "no valid answer: in flight until its lease ends, then a claim sends it again"
@@ -1195,52 +1194,46 @@ NOTES = {
     "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so"
                " it is never sent again automatically (reconcile, or resolve by hand)",
     "blocked": "refused for good: a person decides (resolve)",
-    "pending": "pending: the next claim sends it under the same key",
-    "abandoned": "abandoned by a person: never sent again",
+    "stale": "another attempt holds the row now: this answer records nothing",
+    "not sent": "not in flight under this attempt, or already sent under it: nothing was sent",
 }
 
 
-def _delivered(sender, result, now=None):
-    """deliver()'s summary, with the state it left the row in and what that means."""
+def _parser():
+    import argparse
+    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, text, arguments, boundaries) in COMMANDS.items():
+        command = commands.add_parser(name, help=text, description=text)
+        for argument in arguments:
+            command.add_argument(argument, **ARGUMENTS[argument])
+        if boundaries:
+            command.add_argument("--crash", choices=boundaries, metavar="BOUNDARY",
+                                 help=f"exit {CRASH_EXIT} at that boundary:"
+                                 f" {', '.join(boundaries)}")
+    return parser
+
+
+@contextlib.contextmanager
+def _opened(root, *names):
+    """The named databases under ``root``, open for the with block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(contextlib.closing(connect(os.path.join(root, name))))
+               for name in names]
+
+
+def _told(result, now=None):
+    """deliver()'s summary with what its status means, or "nothing due"."""
     if result is None:
         return {"status": "nothing due", "now": now}
-    state, lease_until = sender.execute("SELECT state, lease_until FROM outbox"
-                                        " WHERE caller = ? AND key = ?",
-                                        (result["caller"], result["key"])).fetchone()
-    return dict(result, status=state, lease_until=lease_until, note=NOTES.get(state, ""))
+    return dict(result, note=NOTES[result["status"]])
 
 
-def _in_line(sender):
-    # The ids of the rows a claim may take or park now: pending, or in flight (its lease may
-    # have ended).
-    return {row[0] for row in sender.execute("SELECT id FROM outbox"
-                                             " WHERE state IN ('pending', 'inflight')")}
-
-
-def _parked(sender, due, result):
-    """The rows of ``due`` that are unknown or blocked now, but the one ``result`` is about:
-    what a claim parked on its way.  Read as bytes, as claim() reads them, so that a row
-    another program damaged is still named (with backslash escapes where it is not UTF-8)."""
-    delivered = sender.execute("SELECT id FROM outbox WHERE caller = ? AND key = ?",
-                               (result.get("caller"), result.get("key"))).fetchone()
-    shown = lambda data: None if data is None else data.decode("utf-8", "backslashreplace")
-    parked = []
-    for number, caller, key, state, response in sender.execute(
-            "SELECT id, CAST(caller AS BLOB), CAST(key AS BLOB), state, CAST(response AS BLOB)"
-            " FROM outbox WHERE state IN ('unknown', 'blocked') ORDER BY id"):
-        if number in due and (number,) != delivered:
-            try:
-                response = json.loads(response) if response else None
-            except (ValueError, RecursionError):
-                # Not JSON: shown as the text it is.
-                response = shown(response)
-            parked.append({"caller": shown(caller), "key": shown(key), "state": state,
-                           "response": response})
-    return parked
-
-
-def _passing_on(crash):
-    """A launcher for call_tool whose tool child dies at ``crash``, if its tool owns it."""
+def _launcher(crash):
+    """call_tool's launcher for a command given --crash: the tool child dies there if its tool
+    owns that boundary (None: the default launcher)."""
+    if BOUNDARIES.get(crash) not in TOOLS.values():
+        return None
     return lambda argv: start_child(argv + (["--crash", crash]
                                             if BOUNDARIES[crash] == TOOLS[argv[1]] else []))
 
@@ -1254,16 +1247,19 @@ def _wait_for_go():
         raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
-def _line(value):
-    return _dumps(value).encode("utf-8")
-
-
 def _claimed_row(connection, caller, key, attempt, now):
-    row = connection.execute("SELECT mode, digest, payload, issued_at FROM requests"
-                             " WHERE caller = ? AND key = ?", (caller, key)).fetchone()
+    """The row claim() gave ``attempt`` of (caller, key) at tick ``now`` (default: its issue
+    tick), rebuilt from the request, for a late delivery."""
+    row = connection.execute("SELECT r.mode, r.digest, r.payload, r.issued_at, o.attempts"
+                             " FROM requests r JOIN outbox o ON o.caller = r.caller"
+                             " AND o.key = r.key WHERE r.caller = ? AND r.key = ?",
+                             (caller, key)).fetchone()
     if row is None:
         raise ValueError(f"no request {caller!r}/{key!r}")
-    mode, digest, text, issued_at = row
+    mode, digest, text, issued_at, made = row
+    # A late delivery is of an attempt that was claimed (0: the UNSAFE retry of unknown).
+    if not 0 <= attempt <= made:
+        raise ValueError(f"attempt {attempt} of {caller!r}/{key!r} was never claimed")
     now = issued_at if now is None else now
     # A tick before the intent was issued fails here, not in the tool child.
     check_ticks(issued_at, now)

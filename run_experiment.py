@@ -205,7 +205,7 @@ def mismatched_payload(run):
     launch = tool_launcher(run)
     request = {"caller": CALLER, "key": KEY, "mode": "idempotent", "payload": changed,
                "issued_at": 0, "now": 0}
-    answer, code = reliability.call_tool(run.root, request, start=launch)
+    answer, code, _ = reliability.call_tool(run.root, request, start=launch)
     heard(launch.started, "child")
     run.log("child", f"receiver child answered {answer.get('error')} and exited {code}")
     run.inject("same key, other payload")
@@ -303,8 +303,8 @@ def unsafe_external_retry(run):
     launch = tool_launcher(run)
     try:
         with _connections(run, reliability.SENDER) as (connection,):
-            answer, code = reliability.unsafe_retry_unknown(connection, run.root, CALLER, KEY,
-                                                            start=launch)
+            answer, code, _ = reliability.unsafe_retry_unknown(connection, run.root, CALLER,
+                                                               KEY, start=launch)
     finally:
         heard(launch.started, "child")
     run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket"
