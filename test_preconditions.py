@@ -459,6 +459,8 @@ class ManyAgentsKilledAtOnceLoseNothing(Case):
     and close one file at once while some are SIGKILLed; every open succeeds, nothing is lost."""
 
     def test_agents_opening_writing_closing_and_killed_at_once_lose_nothing_and_all_connect(self):
+        # The next test runs this one again with /proc hidden: nothing here may need it.
+        self.assertFalse(os.environ.get("PROC_HIDDEN") and os.path.exists("/proc/self"))
         db = self.make_db(MANY_RESOURCES, "many.db")
         results = race(functools.partial(many_agents, db, self.dir), MANY_AGENTS, may_die=True)
         self.assertEqual([r for r in results if r not in ("done", None)], [])
@@ -488,6 +490,21 @@ class ManyAgentsKilledAtOnceLoseNothing(Case):
                 self.assertEqual((quantity, revision),
                                  (MANY_RESOURCES[name] + sum(flows), 1 + len(flows)))
         self.assertEqual(connection.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0
+                         and shutil.which("unshare"),
+                         "hides /proc in a mount namespace of its own: needs unshare and root")
+    def test_the_same_with_proc_hidden_as_in_a_container_without_it(self):
+        # In a mount namespace of its own, so that no other process loses /proc.
+        module = os.path.splitext(os.path.basename(__file__))[0]
+        test = (f"{module}.{type(self).__name__}.test_agents_opening_writing_closing_and_killed_"
+                "at_once_lose_nothing_and_all_connect")
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none /proc && exec "$0" -m unittest "$1"',
+                               sys.executable, test], cwd=HERE, capture_output=True,
+                              env=dict(os.environ, PROC_HIDDEN="1"), timeout=WATCHDOG * 4)
+        self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8", "replace"))
+        self.assertIn(b"Ran 1 test", done.stderr)
 
 
 # === 第七篇 §7: an undeclared dependency =====================================================

@@ -1274,6 +1274,8 @@ class ManyAgentsKilledAtOnceLoseNothing(unittest.TestCase):
     receiver.db at once while some are SIGKILLed, and every open succeeds and nothing is lost."""
 
     def test_agents_opening_writing_closing_and_killed_at_once_lose_nothing_and_all_connect(self):
+        # The next test runs this one again with /proc hidden: nothing here may need it.
+        self.assertFalse(os.environ.get("PROC_HIDDEN") and os.path.exists("/proc/self"))
         with workspace() as ws:
             database, folder = ws.path("receiver"), ws.root
             ws.close()
@@ -1296,6 +1298,21 @@ class ManyAgentsKilledAtOnceLoseNothing(unittest.TestCase):
             self.assertEqual(sorted(tickets), sorted(receipts.values()))
             self.assertEqual({tickets[ticket] for ticket in receipts.values()}, set(receipts))
             self.assertEqual(integrity(ws), INTACT)
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0
+                         and shutil.which("unshare"),
+                         "hides /proc in a mount namespace of its own: needs unshare and root")
+    def test_the_same_with_proc_hidden_as_in_a_container_without_it(self):
+        # In a mount namespace of its own, so that no other process loses /proc.
+        module = os.path.splitext(os.path.basename(__file__))[0]
+        test = (f"{module}.{type(self).__name__}.test_agents_opening_writing_closing_and_killed_"
+                "at_once_lose_nothing_and_all_connect")
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none /proc && exec "$0" -m unittest "$1"',
+                               sys.executable, test], cwd=HERE, capture_output=True,
+                              env=dict(os.environ, PROC_HIDDEN="1"), timeout=WATCHDOG * 4)
+        self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8", "replace"))
+        self.assertIn(b"Ran 1 test", done.stderr)
 
 
 # === 第一篇 §6: a tool without idempotency leaves an honest unknown ===
