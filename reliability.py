@@ -433,7 +433,7 @@ def _oldest_due(connection, now):
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         payload = json.loads(text)
         if canonical(payload) != (text, digest):
-            raise ValueError("the payload is not the canonical text its digest names")
+            raise ValueError("not the text, payload and digest enqueue() stores")
     except (ValueError, TypeError, RecursionError) as error:
         return number, state, mode, used, None, str(error) or type(error).__name__
     row = {"caller": caller, "key": key, "mode": mode, "digest": digest, "payload": payload,
@@ -974,7 +974,8 @@ def unsafe_dispatch_mark_before(connection, root, now, *, start=None, timeout=CH
     reply = call_tool(root, row, start=start, timeout=timeout)
     return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"],
             "exit_code": reply.exit_code, "response": reply.response, "acknowledged": False,
-            "status": "done"}
+            "status": "done", "note": "UNSAFE baseline: recorded as done before anything was"
+            " sent"}
 
 
 def unsafe_delete_receipts(connection, before_tick):
@@ -1127,9 +1128,8 @@ def _purge(args):
 
 def _unsafe_dispatch(args):
     with _opened(args.root, SENDER) as (sender,):
-        told = _told(unsafe_dispatch_mark_before(sender, args.root, args.now,
+        return _told(unsafe_dispatch_mark_before(sender, args.root, args.now,
                                                  start=_launcher(args.crash)), args.now)
-    return dict(told, note="UNSAFE baseline: recorded as done before anything was sent")
 
 
 # serve TOOL: the process that owns the tool's crash boundaries.
@@ -1186,19 +1186,6 @@ ARGUMENTS = {
     "--window": {"type": int, "required": True, "metavar": "W",
                  "help": "ticks of receipts to keep"},
 }
-# What a delivery's status means, for a reader of dispatch's line.
-NOTES = {
-    "done": "recorded as done with the tool's answer",
-    "inflight": "no valid answer: in flight until its lease ends, then a claim sends it again"
-                " under the same key",
-    "unknown": "no valid answer from a tool without receipts: it may or may not have acted, so"
-               " it is never sent again automatically (reconcile, or resolve by hand)",
-    "blocked": "refused for good: a person decides (resolve)",
-    "stale": "another attempt holds the row now: this answer records nothing",
-    "not sent": "not in flight under this attempt, or already sent under it: nothing was sent",
-}
-
-
 def _parser():
     import argparse
     parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
@@ -1223,10 +1210,8 @@ def _opened(root, *names):
 
 
 def _told(result, now=None):
-    """deliver()'s summary with what its status means, or "nothing due"."""
-    if result is None:
-        return {"status": "nothing due", "now": now}
-    return dict(result, note=NOTES[result["status"]])
+    """deliver()'s summary, or "nothing due"."""
+    return {"status": "nothing due", "now": now} if result is None else result
 
 
 def _launcher(crash):

@@ -97,7 +97,8 @@ class OnlyAnExistingDatabaseOfOursOpens(unittest.TestCase):
         with tempfile.TemporaryDirectory() as root:
             for path in (os.path.join(root, RECEIVER), os.path.join(root, "missing", RECEIVER),
                          root):
-                with self.subTest(path=path), self.assertRaises(sqlite3.OperationalError) as caught:
+                with self.subTest(path=path), \
+                        self.assertRaises(sqlite3.OperationalError) as caught:
                     reliability.connect(path)
                 self.assertIn(path, str(caught.exception))
             self.assertEqual(os.listdir(root), [])
