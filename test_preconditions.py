@@ -3,15 +3,16 @@ real processes.
 
 In the article's order: its sections §1 to §7, then the module's contracts beyond it (ticks,
 retention, the files and the command line), then the article's code verbatim, then the
-article's figures as results.json holds them.  The machinery is in one section at the bottom.
-Children are forked as the driver forks them, or are fresh interpreters where the command line
-itself is under test.  Run: python3 test_preconditions.py, or python3 -X dev -W error -m
-unittest test_preconditions.  Standard library only; reliability.py is never imported (article
-7's download lacks it).
+article's figures as results.json holds them.  The machinery is in one section at the bottom;
+the helpers marked "# twin" are written identically in test_reliability.py, so that each
+article's five files run alone.  Children are forked as the driver forks them, or are fresh
+interpreters where the command line itself is under test.  Run: python3 test_preconditions.py,
+or python3 -X dev -W error -m unittest test_preconditions.  Standard library only;
+reliability.py is never imported (article 7's download lacks it).
 
 The companion's self-checks are in beyond/test_companion.py, which no download needs: the copy
 kit, README.md's table and walk-through, the public names, the definitions preconditions.py
-shares with reliability.py, and the five-file download.
+shares with reliability.py, the five-file download, and the test that the twins are identical.
 """
 import os
 import sys
@@ -461,7 +462,8 @@ class ManyAgentsKilledAtOnceLoseNothing(Case):
 
     def test_agents_opening_writing_closing_and_killed_at_once_lose_nothing_and_all_connect(self):
         db = self.make_db(MANY_RESOURCES, "many.db")
-        results = race(functools.partial(many_agents, db, self.dir), MANY_AGENTS, may_die=True)
+        results = race(functools.partial(many_agents, agent_transfers, db, self.dir), MANY_AGENTS,
+                       may_die=True)
         self.assertEqual([r for r in results if r not in ("done", None)], [])
         # The seed kills some agents, and each kill is a SIGKILL.
         self.assertIn(None, results)
@@ -684,7 +686,7 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         # The control: the same user opens a file it may read and write.
         os.chmod(folder, 0o777)
         os.chmod(path, 0o666)
-        self.assertEqual(run_experiment.run_forked(connect_as_nobody, path), "ok")
+        self.assertEqual(run_experiment.run_forked(connect_as_nobody, path), "opened")
 
     def test_paths_with_uri_special_characters_open_exactly_the_file_named(self):
         folder = os.path.join(self.dir, "odd %41 #dir?")
@@ -1000,12 +1002,16 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "preconditions.py")
-# Seconds; only stops a hung test, never a measurement.
-WATCHDOG = 60
+# The module the twins below run: test_reliability.py's twins run reliability.py.
+UNDER_TEST = pre
+# Seconds: only ends a hung child, never asserted as a measurement.
+# twin: identical in test_reliability.py
+WATCHDOG = 60.0
 ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items()
              if article == "article_7"]
 MATRIX = [name for name in run_experiment.SCENARIOS if name.startswith("preconditions/")]
 # Agents, connections opened by each, and the seed of their choices.
+# twin: identical in test_reliability.py
 MANY_AGENTS, MANY_OPERATIONS, MANY_SEED = 3, 400, 7
 MANY_RESOURCES = {"A": 1000, "B": 1000, "C": 1000, "D": 1000}
 # An A = 10, B = 0 database made once by init(), byte-copied per test.
@@ -1018,6 +1024,7 @@ def setUpModule():
     pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
 
 
+# twin: identical in test_reliability.py
 def tearDownModule():
     TEMPLATE.pop("dir").cleanup()
 
@@ -1112,6 +1119,7 @@ def digest_of(command):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# twin: identical in test_reliability.py
 def file_bytes(path):
     with open(path, "rb") as handle:
         return handle.read()
@@ -1130,13 +1138,16 @@ def without_python_variables(**extra):
 
 # --- children: the command line, fresh interpreters, racers and agents ----------------------
 
-def cli(*args, between=None, stdin=b""):
-    """preconditions.py's main(argv) in a child forked as the driver forks its children, run to
-    its end: (exit code, stdout, stderr) as text from UTF-8.  With ``between``, for a --wait
-    child: at its READY line (it has read what it checks) run between(), then write GO.  A child
-    still running at the watchdog, or when anything here fails, is killed and reaped."""
+# twin: identical in test_reliability.py
+def cli(*argv, between=None, stdin=b""):
+    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
+    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
+    ``between``, for a --wait child: at its READY line (it has read what it checks) run
+    between(), then write GO.  A child still running at the watchdog, or when anything here
+    fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(pre, [str(arg) for arg in args], stderr=stderr.fileno())
+        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
+                                          stderr=stderr.fileno())
         try:
             if between is not None:
                 ready = child.readline()
@@ -1151,8 +1162,9 @@ def cli(*args, between=None, stdin=b""):
         return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
-def run_together(commands, **options):
-    """Run every command (an argv list) at once, each to its end with nothing on stdin:
+# twin: identical in test_reliability.py
+def run_together(commands, stdin=b"", **options):
+    """Run every command (an argv list) at once, each to its end with ``stdin`` as input;
     [(exit code, stdout, stderr)] as bytes.  A child still running at the watchdog, or when
     anything fails, is killed and reaped: none is left behind."""
     children, done = [], []
@@ -1161,23 +1173,30 @@ def run_together(commands, **options):
             children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, **options))
         for child in children:
-            out, err = child.communicate(b"", timeout=WATCHDOG)
+            out, err = child.communicate(stdin, timeout=WATCHDOG)
             done.append((child.returncode, out, err))
         return done
     finally:
         run_experiment.reap(children)
 
 
-def connect_as_nobody(path):
-    """In a forked child: become nobody if we are root (root passes every permission check),
-    then connect; 'ok' or 'Type: message'."""
+# twin: identical in test_reliability.py
+def _become_nobody():
+    # Root may signal anyone and passes every permission check.
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
+
+
+# twin: identical in test_reliability.py
+def connect_as_nobody(path):
+    """In a forked child: the text of what UNDER_TEST.connect(path) raises for a user that is
+    not root (uid and gid 65534 if we are), or "opened"."""
+    _become_nobody()
     try:
-        pre.connect(path).close()
-        return "ok"
+        UNDER_TEST.connect(path).close()
+        return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
 
@@ -1215,6 +1234,7 @@ def thread_race(db, entry, ops, threads=8):
     return collections.Counter(run_experiment.run_forked(run))
 
 
+# twin: identical in test_reliability.py
 def race(body, n=8, may_die=False):
     """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
     a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
@@ -1290,57 +1310,75 @@ def race(body, n=8, may_die=False):
             os.close(fd)
 
 
-def many_agents(db, folder, wait):
-    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``db``, then transfers on
-    revisions it has just read (1 in 10), changes a quantity (1 in 20), replays one of its ops
-    (1 in 20) or checkpoints (1 in 20), or only reads, and closes; each answer goes to its
-    journal.  Odd agents SIGKILL themselves in their second half, at a seeded moment: just
-    opened, inside the transaction, or answered but not yet noted."""
+# twin: identical in test_reliability.py
+def many_agents(act, database, folder, wait):
+    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, has
+    act(connection, rng, op, must_write, arm, mine) do one seeded operation there, notes in its
+    journal what act returns unless that is None, and closes.  Odd agents SIGKILL themselves in
+    their second half, at a seeded moment: just opened, inside the transaction, or answered but
+    not yet noted.  act writes when ``must_write`` (the agent dies in this operation) and calls
+    arm() where its write begins, which sets off a death inside the transaction; ``op`` is
+    agent-i/n, and ``mine`` the agent's own list, for act to keep what it did."""
     index, journal = numbered(folder, "agent")
     rng = random.Random(f"{MANY_SEED}/{index}")
     death = (rng.randrange(MANY_OPERATIONS // 2, MANY_OPERATIONS),
              rng.choice(("opened", "writing", "answered"))) if index % 2 else None
+    mine = []
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
-    done = []
     with open(journal, "ab", buffering=0) as journal:
         wait()
-        for operation in range(MANY_OPERATIONS):
-            connection, work, op = pre.connect(db), rng.random(), f"agent-{index}/{operation}"
+        for n in range(MANY_OPERATIONS):
+            connection = UNDER_TEST.connect(database)
             try:
-                if death == (operation, "opened"):
+                if death == (n, "opened"):
                     die()
-                if death == (operation, "writing"):
-                    connection.set_progress_handler(die, rng.randint(1, 40))
-                if work < 0.1 or death and death[0] == operation:
-                    src, dst = rng.sample(sorted(MANY_RESOURCES), 2)
-                    seen = dict(connection.execute("SELECT name, revision FROM resources"))
-                    command = {"src": src, "dst": dst, "amount": rng.randint(1, 9),
-                               "expected": {src: seen[src], dst: seen[dst]}}
-                    answer = pre.execute(connection, op, command, issued_at=0, now=0)
-                    done.append((op, command))
-                elif work < 0.15:
-                    name = rng.choice(sorted(MANY_RESOURCES))
-                    delta = rng.choice((-1, 1)) * rng.randint(1, 9)
-                    answer = pre.change(connection, op, name, delta, issued_at=0, now=0)
-                elif work < 0.2 and done:
-                    op, command = rng.choice(done)
-                    answer = pre.execute(connection, op, command, issued_at=0, now=0)
-                else:
-                    answer = None
-                    if work < 0.25:
-                        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                    connection.execute("SELECT count(*) FROM receipt").fetchone()
-                if death == (operation, "answered"):
+
+                def arm():
+                    if death == (n, "writing"):
+                        connection.set_progress_handler(die, rng.randint(1, 40))
+                answer = act(connection, rng, f"agent-{index}/{n}",
+                             death is not None and death[0] == n, arm, mine)
+                if death == (n, "answered"):
                     die()
                 if answer is not None:
-                    journal.write(json.dumps([op, answer]).encode("utf-8") + b"\n")
+                    journal.write(json.dumps(answer).encode("utf-8") + b"\n")
             finally:
                 connection.close()
     return "done"
 
 
+def agent_transfers(connection, rng, op, must_write, arm, mine):
+    """A many_agents() operation on a database of MANY_RESOURCES: it transfers on revisions it
+    has just read (1 in 10, and whenever it must write), changes a quantity (1 in 20), replays
+    one of its own transfers (1 in 20), or checkpoints (1 in 20) or only reads; each answer is
+    noted with its op."""
+    work = rng.random()
+    arm()
+    if work < 0.1 or must_write:
+        src, dst = rng.sample(sorted(MANY_RESOURCES), 2)
+        seen = dict(connection.execute("SELECT name, revision FROM resources"))
+        command = {"src": src, "dst": dst, "amount": rng.randint(1, 9),
+                   "expected": {src: seen[src], dst: seen[dst]}}
+        answer = pre.execute(connection, op, command, issued_at=0, now=0)
+        mine.append((op, command))
+    elif work < 0.15:
+        name = rng.choice(sorted(MANY_RESOURCES))
+        delta = rng.choice((-1, 1)) * rng.randint(1, 9)
+        answer = pre.change(connection, op, name, delta, issued_at=0, now=0)
+    elif work < 0.2 and mine:
+        op, command = rng.choice(mine)
+        answer = pre.execute(connection, op, command, issued_at=0, now=0)
+    else:
+        if work < 0.25:
+            connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        connection.execute("SELECT count(*) FROM receipt").fetchone()
+        return None
+    return [op, answer]
+
+
+# twin: identical in test_reliability.py
 def numbered(folder, name):
     """(i, a descriptor of the journal folder/name-i that this process created): racers number
     themselves 0, 1, ... in the order they come, each journal appended to by one process only."""

@@ -8,11 +8,12 @@ The tests come in the article's sections (§1 files, §2 outbox, §3 receipt, §
 command line, §5 claims, §6 unknown), then the module's contracts beyond the article (leaving
 unknown, retention, ticks, files and failed system calls), then the article's figures as
 results.json holds them.  The machinery they share (workspaces, children, one barrier) is in
-one section at the bottom.
+one section at the bottom; the helpers marked "# twin" are written identically in
+test_preconditions.py, so that each article's five files run alone.
 
 The companion's self-checks are in beyond/test_companion.py, which no download needs: the copy
 kits, README.md's tables and walk-through, the public names, the driver's own failures, the
-five-file download.
+five-file download, and the test that the twins are identical.
 
 How the suite runs its children: most are forked, as the driver forks them
 (run_experiment.fork_start), and run the module's own command line, main(argv); a fork costs
@@ -1279,8 +1280,8 @@ class ManyAgentsKilledAtOnceLoseNothing(unittest.TestCase):
         with workspace() as ws:
             database, folder = ws.path("receiver"), ws.root
             ws.close()
-            results = race(functools.partial(many_agents, database, folder), MANY_AGENTS,
-                           may_die=True)
+            results = race(functools.partial(many_agents, agent_receives, database, folder),
+                           MANY_AGENTS, may_die=True)
             self.assertEqual([r for r in results if r not in ("done", None)], [])
             self.assertIn(None, results, "the seed kills some agents, each by SIGKILL")
             answers = {}
@@ -2139,7 +2140,10 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.abspath(reliability.__file__)
+# The module the twins below run: test_preconditions.py's twins run preconditions.py.
+UNDER_TEST = reliability
 # Seconds: only ends a hung child, never asserted as a measurement.
+# twin: identical in test_preconditions.py
 WATCHDOG = 60.0
 # A fresh interpreter whose text streams are not UTF-8, as an 8-bit locale makes them: the C
 # locale with UTF-8 mode off, and latin-1 streams (-I would ignore PYTHONIOENCODING, so -S alone).
@@ -2158,6 +2162,7 @@ def setUpModule():
     reliability.init(TEMPLATE["dir"].name)
 
 
+# twin: identical in test_preconditions.py
 def tearDownModule():
     TEMPLATE.pop("dir").cleanup()
 
@@ -2289,6 +2294,7 @@ def sender_rows(ws):
     return rows(ws.sender, "requests"), rows(ws.sender, "outbox"), audit(ws)
 
 
+# twin: identical in test_preconditions.py
 def file_bytes(path):
     with open(path, "rb") as handle:
         return handle.read()
@@ -2337,14 +2343,23 @@ class HidingDict(dict):
 
 # --- children: the module's own command line, tool children, stand-ins, live processes
 
-def cli(*argv, stdin=b""):
-    """reliability.py's command line, main(argv), in a child forked by fork_start and run to
-    its end: (exit code, stdout, stderr) as UTF-8.  A child still running at the watchdog, or
-    when anything here fails, is killed and reaped."""
+# twin: identical in test_preconditions.py
+def cli(*argv, between=None, stdin=b""):
+    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
+    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
+    ``between``, for a --wait child: at its READY line (it has read what it checks) run
+    between(), then write GO.  A child still running at the watchdog, or when anything here
+    fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(reliability, [str(arg) for arg in argv],
+        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
                                           stderr=stderr.fileno())
         try:
+            if between is not None:
+                ready = child.readline()
+                if ready != "READY":
+                    raise AssertionError(f"the child said {ready!r}, not READY")
+                between()
+                stdin = b"GO\n"
             out, _ = child.communicate(stdin, timeout=WATCHDOG)
         finally:
             run_experiment.reap([child])
@@ -2352,6 +2367,7 @@ def cli(*argv, stdin=b""):
         return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
+# twin: identical in test_preconditions.py
 def run_together(commands, stdin=b"", **options):
     """Run every command (an argv list) at once, each to its end with ``stdin`` as input;
     [(exit code, stdout, stderr)] as bytes.  A child still running at the watchdog, or when
@@ -2471,6 +2487,7 @@ def reconciling_tool(ws, before_lookup):
         yield tool
 
 
+# twin: identical in test_preconditions.py
 def _become_nobody():
     # Root may signal anyone and passes every permission check.
     if os.geteuid() == 0:
@@ -2495,11 +2512,13 @@ def posix_acl(uid, perms):
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
 
 
+# twin: identical in test_preconditions.py
 def connect_as_nobody(path):
-    """The text of what connect(path) raises for a user that is not root, or "opened"."""
+    """In a forked child: the text of what UNDER_TEST.connect(path) raises for a user that is
+    not root (uid and gid 65534 if we are), or "opened"."""
     _become_nobody()
     try:
-        reliability.connect(path).close()
+        UNDER_TEST.connect(path).close()
         return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
@@ -2533,10 +2552,12 @@ def strace(inject, path, *argv):
 
 # --- one barrier: racers forked together, and many agents at once
 
-# Agents, connections by each, their choices.
+# Agents, connections opened by each, and the seed of their choices.
+# twin: identical in test_preconditions.py
 MANY_AGENTS, MANY_OPERATIONS, MANY_SEED = 3, 400, 7
 
 
+# twin: identical in test_preconditions.py
 def race(body, n=8, may_die=False):
     """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
     a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
@@ -2612,40 +2633,62 @@ def race(body, n=8, may_die=False):
             os.close(fd)
 
 
-def many_agents(database, folder, wait):
-    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, then receives a
-    key others receive too (1 in 10) and notes the answer in its journal, or checkpoints (1 in
-    20), or only reads, and closes.  Odd agents SIGKILL themselves in their second half, at a
-    seeded moment: just opened, inside the transaction, or answered but not yet noted."""
+# twin: identical in test_preconditions.py
+def many_agents(act, database, folder, wait):
+    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, has
+    act(connection, rng, op, must_write, arm, mine) do one seeded operation there, notes in its
+    journal what act returns unless that is None, and closes.  Odd agents SIGKILL themselves in
+    their second half, at a seeded moment: just opened, inside the transaction, or answered but
+    not yet noted.  act writes when ``must_write`` (the agent dies in this operation) and calls
+    arm() where its write begins, which sets off a death inside the transaction; ``op`` is
+    agent-i/n, and ``mine`` the agent's own list, for act to keep what it did."""
     index, journal = numbered(folder, "agent")
     rng = random.Random(f"{MANY_SEED}/{index}")
     death = (rng.randrange(MANY_OPERATIONS // 2, MANY_OPERATIONS),
              rng.choice(("opened", "writing", "answered"))) if index % 2 else None
-    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    mine = []
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
     with open(journal, "ab", buffering=0) as journal:
         wait()
-        for operation in range(MANY_OPERATIONS):
-            connection, work = reliability.connect(database), rng.random()
+        for n in range(MANY_OPERATIONS):
+            connection = UNDER_TEST.connect(database)
             try:
-                if death == (operation, "opened"):
+                if death == (n, "opened"):
                     die()
-                if work < 0.1 or death and death[0] == operation:
-                    key = f"k{rng.randrange(MANY_OPERATIONS // 10)}"
-                    if death == (operation, "writing"):
+
+                def arm():
+                    if death == (n, "writing"):
                         connection.set_progress_handler(die, rng.randint(1, 40))
-                    answer = written(lambda: receive_on(connection, key, {"key": key}))
-                    if death == (operation, "answered"):
-                        die()
+                answer = act(connection, rng, f"agent-{index}/{n}",
+                             death is not None and death[0] == n, arm, mine)
+                if death == (n, "answered"):
+                    die()
+                if answer is not None:
                     journal.write(json.dumps(answer).encode("utf-8") + b"\n")
-                elif work < 0.15:
-                    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                else:
-                    connection.execute("SELECT count(*) FROM receipts").fetchone()
             finally:
                 connection.close()
     return "done"
 
 
+def agent_receives(connection, rng, op, must_write, arm, mine):
+    """A many_agents() operation on receiver.db: it receives a key others receive too (1 in 10,
+    and whenever it must write) and its answer is noted, or it checkpoints (1 in 20), or only
+    reads."""
+    work = rng.random()
+    if work < 0.1 or must_write:
+        key = f"k{rng.randrange(MANY_OPERATIONS // 10)}"
+        arm()
+        return written(lambda: receive_on(connection, key, {"key": key}))
+    if work < 0.15:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    else:
+        connection.execute("SELECT count(*) FROM receipts").fetchone()
+    return None
+
+
+# twin: identical in test_preconditions.py
 def numbered(folder, name):
     """(i, a descriptor of the journal folder/name-i that this process created): racers number
     themselves 0, 1, ... in the order they come, each journal appended to by one process only."""

@@ -381,7 +381,8 @@ class TheReadmeOnArticle7ShowsWhatTheRunShows(unittest.TestCase):
 
 class TheTwinsAreIdentical(unittest.TestCase):
     """What the two articles' files share is written twice, so that each download runs alone:
-    the definitions preconditions.py shares with reliability.py are identical."""
+    the definitions preconditions.py shares with reliability.py, and the helpers marked
+    "# twin: ..." in the two test files, are identical."""
 
     def test_the_twin_definitions_are_identical_in_reliability_py(self):
         mine, theirs = article7.definitions(PRECONDITIONS), article7.definitions(RELIABILITY)
@@ -391,6 +392,20 @@ class TheTwinsAreIdentical(unittest.TestCase):
             with self.subTest(name):
                 self.assertIn(name, theirs)
                 self.assertEqual(mine[name][1], theirs[name][1])
+
+    def test_the_helpers_marked_twin_are_identical_in_both_article_test_files(self):
+        one = twins(os.path.join(ROOT, "test_reliability.py"), "test_preconditions.py")
+        seven = twins(os.path.join(ROOT, "test_preconditions.py"), "test_reliability.py")
+        self.assertEqual(sorted(one), sorted(seven))
+        for name in one:
+            with self.subTest(name):
+                self.assertEqual(one[name], seven[name])
+        # A function both files define is a twin, or differs on purpose: each makes its own
+        # article's template.
+        functions = [{name for name, (node, _) in article7.definitions(os.path.join(ROOT, path))
+                      .items() if isinstance(node, ast.FunctionDef)}
+                     for path in ("test_reliability.py", "test_preconditions.py")]
+        self.assertEqual((functions[0] & functions[1]) - set(one), {"setUpModule"})
 
 
 class TheReadmeListsThePublicNames(unittest.TestCase):
@@ -785,12 +800,12 @@ class TheFiveFilesRunAlone(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD_7))
 
 
-# === machinery: paths, the driver in this process, the kits, README.md ===
+# === machinery: paths, the driver in this process, the kits, the twins, README.md ===
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELIABILITY = os.path.join(ROOT, "reliability.py")
 PRECONDITIONS = os.path.join(ROOT, "preconditions.py")
-# Seconds: only ends a hung child, never asserted as a measurement (the article tests').
+# Seconds: only ends a hung child, never asserted as a measurement (the article tests' twin).
 WATCHDOG = article1.WATCHDOG
 # This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
 SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{w}" for w in sys.warnoptions]
@@ -921,6 +936,32 @@ def newer_python():
             if done.returncode == 0 and os.path.isabs(executable):
                 return executable
     return None
+
+
+# --- the twins: the helpers both article test files keep, written twice so each runs alone
+
+def twins(path, other):
+    """{name: source} of each module-level definition in the file at ``path`` that the line
+    directly above marks "# twin: identical in ``other``"; a marker anywhere else, or naming
+    another file, fails."""
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    marker = f"# twin: identical in {other}"
+    markers = [number for number, line in enumerate(lines, 1)
+               if line.lstrip().startswith("# twin")]
+    for number in markers:
+        if lines[number - 1] != marker:
+            raise AssertionError(f"{path}:{number}: {lines[number - 1]!r}, not {marker!r}")
+    found, marked = {}, set()
+    for name, (node, text) in article7.definitions(path).items():
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        if first - 1 in markers:
+            found[name] = text
+            marked.add(first - 1)
+    if marked != set(markers):
+        raise AssertionError(f"{path}:{sorted(set(markers) - marked)}: no definition directly"
+                             " below")
+    return found
 
 
 # --- README.md: its blocks, its tables, its figures, its walk-throughs
