@@ -1,13 +1,18 @@
 """Tests for preconditions.py (第七篇《没有重复执行，为什么还是办错了？》): real SQLite files and
 real processes.
 
-In the article's order: its sections §1 to §7, then what goes beyond it (ticks, retention, the
-files and the command line), then the source itself (the article's code verbatim, the twins in
-reliability.py, the copy kit, the public names), then results.json, the driver and README.md.
-The machinery is in one section at the bottom.  Children are forked as the driver forks them,
-or are fresh interpreters where the command line itself is under test.  Run:
-python3 test_preconditions.py, or python3 -X dev -W error -m unittest test_preconditions.
-Standard library only; reliability.py is never imported (article 7's download lacks it).
+In the article's order: its sections §1 to §7, then the module's contracts beyond it (ticks,
+retention, the files and the command line), then the article's code verbatim, then the
+article's figures as results.json holds them.  The machinery is in one section at the bottom;
+the helpers marked "# twin" are written identically in test_reliability.py, so that each
+article's five files run alone.  Children are forked as the driver forks them, or are fresh
+interpreters where the command line itself is under test.  Run: python3 test_preconditions.py,
+or python3 -X dev -W error -m unittest test_preconditions.  Standard library only;
+reliability.py is never imported (article 7's download lacks it).
+
+The companion's self-checks are in beyond/test_companion.py, which no download needs: the copy
+kit, README.md's table and walk-through, the public names, the definitions preconditions.py
+shares with reliability.py, the five-file download, and the test that the twins are identical.
 """
 import os
 import sys
@@ -23,15 +28,12 @@ import ast
 import collections
 import contextlib
 import functools
-import glob
 import hashlib
 import inspect
 import itertools
 import json
 import random
-import re
 import select
-import shlex
 import shutil
 import signal
 import sqlite3
@@ -462,7 +464,8 @@ class ManyAgentsKilledAtOnceLoseNothing(Case):
         # The next test runs this one again with /proc hidden: nothing here may need it.
         self.assertFalse(os.environ.get("PROC_HIDDEN") and os.path.exists("/proc/self"))
         db = self.make_db(MANY_RESOURCES, "many.db")
-        results = race(functools.partial(many_agents, db, self.dir), MANY_AGENTS, may_die=True)
+        results = race(functools.partial(many_agents, agent_transfers, db, self.dir), MANY_AGENTS,
+                       may_die=True)
         self.assertEqual([r for r in results if r not in ("done", None)], [])
         # The seed kills some agents, and each kill is a SIGKILL.
         self.assertIn(None, results)
@@ -674,7 +677,7 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         # The control: the same user opens a file it may read and write.
         os.chmod(folder, 0o777)
         os.chmod(path, 0o666)
-        self.assertEqual(run_experiment.run_forked(connect_as_nobody, path), "ok")
+        self.assertEqual(run_experiment.run_forked(connect_as_nobody, path), "opened")
 
     def test_paths_with_uri_special_characters_open_exactly_the_file_named(self):
         folder = os.path.join(self.dir, "odd %41 #dir?")
@@ -910,11 +913,10 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
         self.assertEqual(self.figures(), ({"A": (8, 3), "B": (3, 2)}, 1, 2))
 
 
-# === the source itself: the article's code verbatim, the twins, the copy kit, the public names
+# === the source itself: the article's code verbatim ==========================================
 
-class TheSourceHoldsTheArticlesCodeAndItsTwins(unittest.TestCase):
-    """The article's receipt query and article 1's transaction wrapper, verbatim; the definitions
-    reliability.py shares, identical; __all__ as README.md lists it."""
+class TheSourceHoldsTheArticlesCode(unittest.TestCase):
+    """The article's receipt query and article 1's transaction wrapper, verbatim."""
 
     def test_history_holds_the_articles_code_verbatim(self):
         # 第七篇 §2, as printed.
@@ -942,88 +944,8 @@ class TheSourceHoldsTheArticlesCodeAndItsTwins(unittest.TestCase):
             '            connection.execute("ROLLBACK")',
             "        raise"])
 
-    def test_the_twin_definitions_are_identical_in_reliability_py(self):
-        twin = os.path.join(HERE, "reliability.py")
-        if not os.path.exists(twin):
-            self.skipTest("reliability.py is not next to this file"
-                          " (article 7's download has only preconditions.py)")
-        mine, theirs = definitions(MODULE), definitions(twin)
-        for name in ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open",
-                     "_check_kind", "_check_file", "_create", "wal_reset_bug", "_text",
-                     "_json_argument", "_no_repeats"]:
-            with self.subTest(name):
-                self.assertIn(name, theirs)
-                self.assertEqual(mine[name][1], theirs[name][1])
 
-    def test_all_equals_the_readmes_public_list(self):
-        lines = [line for line in readme().splitlines()
-                 if line.startswith("`preconditions.__all__`:")]
-        self.assertEqual(len(lines), 1,
-                         "README.md needs exactly one line starting with `preconditions.__all__`:")
-        listed = re.findall(r"`([^`]+)`", lines[0].split(":", 1)[1])
-        self.assertEqual(set(pre.__all__), set(listed))
-
-
-class TheExecuteKitRunsAlone(unittest.TestCase):
-    """The copy kit for execute(): exactly the definitions it needs, pasted into a fresh module,
-    run the article's scenario on the connection README.md's recipe opens."""
-
-    def test_the_kit_list_is_exactly_what_execute_needs(self):
-        found, needed = definitions(MODULE), closure("execute")
-        self.assertEqual(needed, set(KIT))
-        with open(MODULE, encoding="utf-8") as handle:
-            body = ast.parse(handle.read()).body
-        imported = {alias.asname or alias.name for node in body
-                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-        used = {node.id for name in needed for node in ast.walk(found[name][0])
-                if isinstance(node, ast.Name) and node.id in imported}
-        self.assertLessEqual(used, {"hashlib", "json", "os", "sqlite3", "contextmanager"})
-
-    def test_the_execute_kit_alone_runs_the_articles_scenario_on_the_readmes_connection(self):
-        # As a copier would: the kit in a fresh module, the connection opened as README.md's
-        # open_database() does, the tables from SCHEMA, in a fresh interpreter (and in Python
-        # 3.12+ too, where one is found).
-        found = definitions(MODULE)
-        # In source order.
-        kit = [name for name in found if name in KIT]
-        self.assertEqual(sorted(kit), sorted(KIT))
-        self.assertLess(kit_lines(), 150)
-        [recipe] = readme_blocks("python")
-        stale = {"status": "stale", "observed": {"A": 2, "B": 3}}
-        check = f"""
-connection = open_database(os.path.join(folder, "t.db"))
-for statement in {pre.SCHEMA!r}:
-    connection.execute(statement)
-connection.execute("INSERT INTO resources VALUES ('A', 10, 1), ('B', 0, 1)")
-plan = {plan()!r}
-assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {APPLIED!r}
-replayed = {{"status": "replayed", "result": {APPLIED!r}}}
-assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == replayed
-# Another write.
-connection.execute("UPDATE resources SET quantity = 5, revision = 3 WHERE name = 'B'")
-assert kit.execute(connection, "job-2", plan, issued_at=0, now=0) == {stale!r}
-assert not os.path.exists(os.path.join(folder, "preconditions.py"))
-connection.close()
-"""
-        interpreters = [sys.executable] + [newer for newer in [newer_python()] if newer]
-        with tempfile.TemporaryDirectory() as folder:
-            with open(os.path.join(folder, "kit.py"), "w", encoding="utf-8") as handle:
-                handle.write("\n\n\n".join([KIT_IMPORTS] + [found[name][1] for name in kit])
-                             + "\n")
-            # Each interpreter its own database: they run at the same time.
-            script = "\n".join([
-                "import os, sys", f"folder = {folder!r}", "sys.path.insert(0, folder)",
-                "import kit", "folder = os.path.join(folder, sys.implementation.cache_tag)",
-                "os.mkdir(folder)",
-                recipe, check, "print('ok')"])
-            done = run_together([[python, "-I", "-S", *SAME_FLAGS, "-c", script]
-                                 for python in interpreters])
-        for python, (code, out, err) in zip(interpreters, done):
-            with self.subTest(python=python):
-                self.assertEqual((code, out, err.decode("utf-8")), (0, b"ok\n", ""))
-
-
-# === results.json, the driver and README.md ==================================================
+# === results.json as committed (--check reruns every scenario against it) ====================
 
 class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
     """第七篇's 11 scenario groups and the crash matrix's rows as results.json records them;
@@ -1072,137 +994,20 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
             "effects": 0})
 
 
-class TheFiveFilesRunAlone(unittest.TestCase):
-    """Article 7's download, its five files alone in a folder: the driver's --check passes and the
-    tests import without reliability.py."""
-
-    def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
-        with tempfile.TemporaryDirectory() as folder:
-            for name in DOWNLOAD:
-                shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
-            # The article's command, on one scenario of each group: the same imports, registration
-            # and comparison as the whole run (which the README's --check already does), at a
-            # fraction of the time; meanwhile another process imports the tests and counts what
-            # the driver registered, and whether a whole --check compares exactly those.  Both run
-            # with this run's interpreter flags (-X dev, -W error), without site-packages (-S).
-            imports = "\n".join([
-                "import json, sys, test_preconditions, run_experiment as r",
-                "with open('results.json', encoding='utf-8') as handle:",
-                "    compared = r.compared(json.load(handle))",
-                "whole = sorted(n for group in compared.values() for n in group)",
-                "print(len(r.SCENARIOS), 'reliability' in sys.modules,"
-                " whole == sorted(r.SCENARIOS))"])
-            commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected",
-                         "preconditions/after_commit"], ["-c", imports]]
-            (code, check, _), imported = run_together(
-                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
-                cwd=folder, env=without_python_variables(PYTHONDONTWRITEBYTECODE="1"))
-            self.assertEqual(code, 0, check.decode("utf-8"))
-            self.assertIn(b"2/2 scenarios match results.json", check)
-            registered = len(ARTICLE_7) + len(MATRIX)
-            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
-            self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD))
-
-
-class TheReadmeShowsWhatTheRunShows(unittest.TestCase):
-    """README.md stays true for article 7's reader: its headline lines are the console's, its
-    counts are the driver's, its table holds results.json's figures, its walk-through runs as
-    printed, and its kit row lists what execute() and change() need."""
-
-    # The article 7 table: each scenario's figures, as paths into results.json, in the order its
-    # "ours" cell gives them.
-    FIGURES = {
-        "unsafe_check_then_act": [("after_go", "quantities", "A"), ("after_go", "quantities", "B"),
-                                  ("after_go", "effects")],
-        "safe_stale_rejected": [("after_go", "status"), ("after_go", "quantities", "A"),
-                                ("after_go", "quantities", "B"), ("after_go", "effects")],
-        "lost_ack_replay": [("after_first", "status"), ("after_retry", "status"),
-                            ("after_retry", "effects")],
-        "replan_new_id": [("after_stale", "status"), ("after_same_id", "status"),
-                          ("after_new_id", "status")],
-        "aba_revision": [("after_execute", "quantities", "A"), ("after_execute", "revisions", "A"),
-                         ("after_execute", "status")],
-        "crash_points": [(f"{boundary}.{stage}", key) for boundary in pre.EXIT_CODES for stage, key
-                         in (("after_crash", "exit_code"), ("after_retry", "status"))],
-        "stale_rejection_durable": [("after_retry", "status"), ("after_retry", "stored_status"),
-                                    ("after_retry", "effects")],
-        "trigger_faults": [("receipt_insert_fault", "quantities", "A"),
-                           ("receipt_insert_fault", "quantities", "B"),
-                           ("receipt_insert_fault", "effects")],
-        "concurrent_distinct_ops": [("after_race", "statuses", "applied"),
-                                    ("after_race", "statuses", "stale"),
-                                    ("after_race", "effects")],
-        "concurrent_same_op": [("after_race", "statuses", "applied"),
-                               ("after_race", "statuses", "replayed")],
-        "undeclared_dependency": [("after_execute", "status"),
-                                  ("after_execute", "quantities", "C")],
-    }
-
-    def test_its_headline_lines_are_the_consoles_within_the_first_60_lines(self):
-        for run in run_experiment.run_all(["unsafe_check_then_act", "safe_stale_rejected"]):
-            self.assertEqual(run.failures, [])
-            self.assertIn(run_experiment.console_line(run), readme().splitlines()[:60])
-
-    def test_the_counts_it_gives_are_the_drivers(self):
-        groups, cells = len(ARTICLE_7), len(MATRIX)
-        for said in (f"第七篇 {groups + cells}（{groups} 组 + {cells} 格）",
-                     f"article 7's {groups + cells} ({groups} groups + {cells} cells)"):
-            self.assertIn(said, readme(), f"README.md does not say {said!r}")
-
-    def test_the_scenario_table_gives_results_jsons_figures(self):
-        rows = {re.match(r"`(\w+)`", cells[0]).group(1): cells[2]
-                for cells in readme_table("| `unsafe_check_then_act`")}
-        self.assertEqual(list(rows), ARTICLE_7)
-        seven = committed_results()["article_7"]
-        for name, cell in rows.items():
-            values = [functools.reduce(lambda value, key: value[key], path, seven[name])
-                      for path in self.FIGURES[name]]
-            # The values in order, and no other number.
-            with self.subTest(name):
-                self.assertTrue(holds_figures(cell, values), f"{cell!r} does not give {values!r}")
-
-    def test_the_walk_through_runs_as_printed_in_the_download_and_shows_what_it_says(self):
-        [block] = [block for block in readme_blocks("sh")
-                   if "python3 preconditions.py init" in block]
-        self.assertGreaterEqual(len([line for line in block.splitlines()
-                                     if line.startswith("python3")]), 10)
-        code, out, unseen = walk_through(block)
-        # Each output where the reader is told to look, in the block's order.
-        self.assertIsNone(unseen, out)
-        self.assertEqual(code, 0, out)
-        self.assertNotIn("Traceback", out)
-
-    def test_the_kit_row_lists_the_closure_of_execute_and_change_for_aba(self):
-        [row] = [cells(line) for line in readme().splitlines()
-                 if line.startswith("| `preconditions.execute` + `change` |")]
-        self.assertEqual(set(re.findall(r"`([^`]+)`", row[1])) | {"execute", "change"},
-                         set(KIT) | {"change"})
-        # change() needs nothing that execute() does not: the kit serves ABA as it is.
-        self.assertLessEqual(closure("change"), set(KIT) | {"change"})
-
-
 # === machinery ===============================================================================
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "preconditions.py")
-# Seconds; only stops a hung test, never a measurement.
-WATCHDOG = 60
-# This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
-SAME_FLAGS = ((["-X", "dev"] if sys.flags.dev_mode else [])
-              + [f"-W{option}" for option in sys.warnoptions])
-# The article's download: these five files alone run it.
-DOWNLOAD = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py",
-            "README.md")
+# The module the twins below run: test_reliability.py's twins run reliability.py.
+UNDER_TEST = pre
+# Seconds: only ends a hung child, never asserted as a measurement.
+# twin: identical in test_reliability.py
+WATCHDOG = 60.0
 ARTICLE_7 = [name for name, (article, _, _) in run_experiment.SCENARIOS.items()
              if article == "article_7"]
 MATRIX = [name for name in run_experiment.SCENARIOS if name.startswith("preconditions/")]
-# The execute() kit, and the imports it needs.
-KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks",
-       "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
-       "MAX_AMOUNT", "MAX_INT64", "MAX_TICK", "_dumps"]
-KIT_IMPORTS = ("import hashlib\nimport json\nimport os\nimport sqlite3\n"
-               "from contextlib import contextmanager")
 # Agents, connections opened by each, and the seed of their choices.
+# twin: identical in test_reliability.py
 MANY_AGENTS, MANY_OPERATIONS, MANY_SEED = 3, 400, 7
 MANY_RESOURCES = {"A": 1000, "B": 1000, "C": 1000, "D": 1000}
 # An A = 10, B = 0 database made once by init(), byte-copied per test.
@@ -1215,6 +1020,7 @@ def setUpModule():
     pre.init(TEMPLATE["path"], {"A": 10, "B": 0})
 
 
+# twin: identical in test_reliability.py
 def tearDownModule():
     TEMPLATE.pop("dir").cleanup()
 
@@ -1309,6 +1115,7 @@ def digest_of(command):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# twin: identical in test_reliability.py
 def file_bytes(path):
     with open(path, "rb") as handle:
         return handle.read()
@@ -1327,13 +1134,16 @@ def without_python_variables(**extra):
 
 # --- children: the command line, fresh interpreters, racers and agents ----------------------
 
-def cli(*args, between=None, stdin=b""):
-    """preconditions.py's main(argv) in a child forked as the driver forks its children, run to
-    its end: (exit code, stdout, stderr) as text from UTF-8.  With ``between``, for a --wait
-    child: at its READY line (it has read what it checks) run between(), then write GO.  A child
-    still running at the watchdog, or when anything here fails, is killed and reaped."""
+# twin: identical in test_reliability.py
+def cli(*argv, between=None, stdin=b""):
+    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
+    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
+    ``between``, for a --wait child: at its READY line (it has read what it checks) run
+    between(), then write GO.  A child still running at the watchdog, or when anything here
+    fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(pre, [str(arg) for arg in args], stderr=stderr.fileno())
+        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
+                                          stderr=stderr.fileno())
         try:
             if between is not None:
                 ready = child.readline()
@@ -1348,8 +1158,9 @@ def cli(*args, between=None, stdin=b""):
         return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
-def run_together(commands, **options):
-    """Run every command (an argv list) at once, each to its end with nothing on stdin:
+# twin: identical in test_reliability.py
+def run_together(commands, stdin=b"", **options):
+    """Run every command (an argv list) at once, each to its end with ``stdin`` as input;
     [(exit code, stdout, stderr)] as bytes.  A child still running at the watchdog, or when
     anything fails, is killed and reaped: none is left behind."""
     children, done = [], []
@@ -1358,44 +1169,30 @@ def run_together(commands, **options):
             children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, **options))
         for child in children:
-            out, err = child.communicate(b"", timeout=WATCHDOG)
+            out, err = child.communicate(stdin, timeout=WATCHDOG)
             done.append((child.returncode, out, err))
         return done
     finally:
         run_experiment.reap(children)
 
 
-@functools.lru_cache(maxsize=None)
-def newer_python():
-    """A CPython 3.12 or newer when this one is older, so that the tests meet 3.12's sqlite3 (its
-    ``autocommit`` setting) on every run: on PATH, or installed by pyenv though not selected.
-    Returns the interpreter itself (a pyenv shim resolved), or None when none is found."""
-    pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    probe = "import sqlite3, sys; sqlite3.Connection.autocommit; print(sys.executable)"
-    for minor in range(20, 11, -1) if sys.version_info < (3, 12) else ():
-        installed = glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin",
-                                           f"python3.{minor}"))
-        # The newest first: 3.12.10 before 3.12.9.
-        installed.sort(key=lambda path: [int(n) for n in re.findall(r"\d+", path)], reverse=True)
-        for found in filter(None, [shutil.which(f"python3.{minor}"), *installed]):
-            done = subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True,
-                                  timeout=WATCHDOG)
-            executable = done.stdout.decode("utf-8").strip()
-            if done.returncode == 0 and os.path.isabs(executable):
-                return executable
-    return None
-
-
-def connect_as_nobody(path):
-    """In a forked child: become nobody if we are root (root passes every permission check),
-    then connect; 'ok' or 'Type: message'."""
+# twin: identical in test_reliability.py
+def _become_nobody():
+    # Root may signal anyone and passes every permission check.
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
+
+
+# twin: identical in test_reliability.py
+def connect_as_nobody(path):
+    """In a forked child: the text of what UNDER_TEST.connect(path) raises for a user that is
+    not root (uid and gid 65534 if we are), or "opened"."""
+    _become_nobody()
     try:
-        pre.connect(path).close()
-        return "ok"
+        UNDER_TEST.connect(path).close()
+        return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
 
@@ -1433,6 +1230,7 @@ def thread_race(db, entry, ops, threads=8):
     return collections.Counter(run_experiment.run_forked(run))
 
 
+# twin: identical in test_reliability.py
 def race(body, n=8, may_die=False):
     """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
     a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
@@ -1508,57 +1306,75 @@ def race(body, n=8, may_die=False):
             os.close(fd)
 
 
-def many_agents(db, folder, wait):
-    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``db``, then transfers on
-    revisions it has just read (1 in 10), changes a quantity (1 in 20), replays one of its ops
-    (1 in 20) or checkpoints (1 in 20), or only reads, and closes; each answer goes to its
-    journal.  Odd agents SIGKILL themselves in their second half, at a seeded moment: just
-    opened, inside the transaction, or answered but not yet noted."""
+# twin: identical in test_reliability.py
+def many_agents(act, database, folder, wait):
+    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, has
+    act(connection, rng, op, must_write, arm, mine) do one seeded operation there, notes in its
+    journal what act returns unless that is None, and closes.  Odd agents SIGKILL themselves in
+    their second half, at a seeded moment: just opened, inside the transaction, or answered but
+    not yet noted.  act writes when ``must_write`` (the agent dies in this operation) and calls
+    arm() where its write begins, which sets off a death inside the transaction; ``op`` is
+    agent-i/n, and ``mine`` the agent's own list, for act to keep what it did."""
     index, journal = numbered(folder, "agent")
     rng = random.Random(f"{MANY_SEED}/{index}")
     death = (rng.randrange(MANY_OPERATIONS // 2, MANY_OPERATIONS),
              rng.choice(("opened", "writing", "answered"))) if index % 2 else None
+    mine = []
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
-    done = []
     with open(journal, "ab", buffering=0) as journal:
         wait()
-        for operation in range(MANY_OPERATIONS):
-            connection, work, op = pre.connect(db), rng.random(), f"agent-{index}/{operation}"
+        for n in range(MANY_OPERATIONS):
+            connection = UNDER_TEST.connect(database)
             try:
-                if death == (operation, "opened"):
+                if death == (n, "opened"):
                     die()
-                if death == (operation, "writing"):
-                    connection.set_progress_handler(die, rng.randint(1, 40))
-                if work < 0.1 or death and death[0] == operation:
-                    src, dst = rng.sample(sorted(MANY_RESOURCES), 2)
-                    seen = dict(connection.execute("SELECT name, revision FROM resources"))
-                    command = {"src": src, "dst": dst, "amount": rng.randint(1, 9),
-                               "expected": {src: seen[src], dst: seen[dst]}}
-                    answer = pre.execute(connection, op, command, issued_at=0, now=0)
-                    done.append((op, command))
-                elif work < 0.15:
-                    name = rng.choice(sorted(MANY_RESOURCES))
-                    delta = rng.choice((-1, 1)) * rng.randint(1, 9)
-                    answer = pre.change(connection, op, name, delta, issued_at=0, now=0)
-                elif work < 0.2 and done:
-                    op, command = rng.choice(done)
-                    answer = pre.execute(connection, op, command, issued_at=0, now=0)
-                else:
-                    answer = None
-                    if work < 0.25:
-                        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                    connection.execute("SELECT count(*) FROM receipt").fetchone()
-                if death == (operation, "answered"):
+
+                def arm():
+                    if death == (n, "writing"):
+                        connection.set_progress_handler(die, rng.randint(1, 40))
+                answer = act(connection, rng, f"agent-{index}/{n}",
+                             death is not None and death[0] == n, arm, mine)
+                if death == (n, "answered"):
                     die()
                 if answer is not None:
-                    journal.write(json.dumps([op, answer]).encode("utf-8") + b"\n")
+                    journal.write(json.dumps(answer).encode("utf-8") + b"\n")
             finally:
                 connection.close()
     return "done"
 
 
+def agent_transfers(connection, rng, op, must_write, arm, mine):
+    """A many_agents() operation on a database of MANY_RESOURCES: it transfers on revisions it
+    has just read (1 in 10, and whenever it must write), changes a quantity (1 in 20), replays
+    one of its own transfers (1 in 20), or checkpoints (1 in 20) or only reads; each answer is
+    noted with its op."""
+    work = rng.random()
+    arm()
+    if work < 0.1 or must_write:
+        src, dst = rng.sample(sorted(MANY_RESOURCES), 2)
+        seen = dict(connection.execute("SELECT name, revision FROM resources"))
+        command = {"src": src, "dst": dst, "amount": rng.randint(1, 9),
+                   "expected": {src: seen[src], dst: seen[dst]}}
+        answer = pre.execute(connection, op, command, issued_at=0, now=0)
+        mine.append((op, command))
+    elif work < 0.15:
+        name = rng.choice(sorted(MANY_RESOURCES))
+        delta = rng.choice((-1, 1)) * rng.randint(1, 9)
+        answer = pre.change(connection, op, name, delta, issued_at=0, now=0)
+    elif work < 0.2 and mine:
+        op, command = rng.choice(mine)
+        answer = pre.execute(connection, op, command, issued_at=0, now=0)
+    else:
+        if work < 0.25:
+            connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        connection.execute("SELECT count(*) FROM receipt").fetchone()
+        return None
+    return [op, answer]
+
+
+# twin: identical in test_reliability.py
 def numbered(folder, name):
     """(i, a descriptor of the journal folder/name-i that this process created): racers number
     themselves 0, 1, ... in the order they come, each journal appended to by one process only."""
@@ -1570,12 +1386,13 @@ def numbered(folder, name):
             continue
 
 
-# --- the source and README.md ---------------------------------------------------------------
+# --- the source -----------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def definitions(path):
     """{name: (node, source lines incl. decorators)} of a module's top-level definitions, in
-    source order."""
+    source order; each name of ``A, B = ...`` too.  beyond/test_companion.py reads both modules
+    and both test files with it."""
     with open(path, encoding="utf-8") as handle:
         source = handle.read()
     lines, found = source.splitlines(True), {}
@@ -1583,7 +1400,8 @@ def definitions(path):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names = [node.name]
         elif isinstance(node, ast.Assign):
-            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+            names = [name.id for target in node.targets for name in ast.walk(target)
+                     if isinstance(name, ast.Name)]
         else:
             continue
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
@@ -1591,92 +1409,6 @@ def definitions(path):
         for name in names:
             found[name] = (node, segment)
     return found
-
-
-def closure(root):
-    """The module-level definitions of preconditions.py that ``root`` needs, itself included."""
-    found, needed, todo = definitions(MODULE), set(), [root]
-    while todo:
-        name = todo.pop()
-        if name not in needed:
-            needed.add(name)
-            todo += [node.id for node in ast.walk(found[name][0])
-                     if isinstance(node, ast.Name) and node.id in found and node.id != name]
-    return needed
-
-
-def kit_lines():
-    """The lines of the execute() kit's definitions."""
-    found = definitions(MODULE)
-    return sum(len(found[name][1].splitlines()) for name in KIT)
-
-
-def readme():
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-        return handle.read()
-
-
-def readme_blocks(language):
-    """README.md's fenced code blocks in ``language`` (sh, python), in order."""
-    return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", readme(), flags=re.S | re.M)
-
-
-def cells(line):
-    """A Markdown table row's cells, stripped."""
-    return [cell.strip() for cell in line.strip("|").split("|")]
-
-
-def readme_table(first):
-    """The rows (lists of cells) of README.md's table from the line that starts with ``first``."""
-    lines = readme().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(first))
-    return [cells(line) for line in itertools.takewhile(lambda line: line.startswith("|"),
-                                                         lines[start:])]
-
-
-def in_order(text, fragments):
-    """The first of ``fragments`` that ``text`` does not hold after the one before it; None if
-    none."""
-    position = 0
-    for fragment in fragments:
-        found = text.find(fragment, position)
-        if found < 0:
-            return fragment
-        position = found + len(fragment)
-    return None
-
-
-def holds_figures(cell, values):
-    """A README cell gives ``values``: its numbers are exactly the ints, and the strings are in
-    order."""
-    numbers = [str(value) for value in values if isinstance(value, int)]
-    return (re.findall(r"\d+", cell) == numbers
-            and in_order(cell, [value for value in values if isinstance(value, str)]) is None)
-
-
-def walk_through(block):
-    """Run a README walk-through as printed: bash in a fresh folder holding a copy of the
-    download (also its temporary folder), where ``python3`` is this interpreter with this run's
-    flags.  Returns (exit code, its stdout and stderr interleaved as text, the first output its
-    "# → " lines say the reader should see that did not come, in their order)."""
-    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as bin_dir:
-        for name in DOWNLOAD:
-            shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
-        wrapper = os.path.join(bin_dir, "python3")
-        # -S: the download needs no site-packages, and a host's .pth hooks cost every command time.
-        with open(wrapper, "w", encoding="utf-8") as handle:
-            python = " ".join(map(shlex.quote, [sys.executable, "-S", *SAME_FLAGS]))
-            handle.write(f'#!/bin/sh\nexec {python} "$@"\n')
-        os.chmod(wrapper, 0o755)
-        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which goes with it.
-        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                   PYTHONDONTWRITEBYTECODE="1", TMPDIR=folder)
-        done = subprocess.run(["bash"], input=block.encode("utf-8"), cwd=folder, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=WATCHDOG * 4)
-    out = done.stdout.decode("utf-8")
-    return done.returncode, out, in_order(out, [line[len("# → "):] for line in block.splitlines()
-                                                 if line.startswith("# → ")])
 
 
 if __name__ == "__main__":

@@ -5,9 +5,15 @@ test_reliability``.  Every test works on real SQLite files in a fresh temporary 
 crashes are real child processes that exit 73 at a named boundary.
 
 The tests come in the article's sections (§1 files, §2 outbox, §3 receipt, §4 crashes and the
-command line, §5 claims, §6 unknown), then what goes beyond the article, the copy kits, and
-results.json, the driver and the README.  The machinery they share (workspaces, children,
-one barrier) is in one section at the bottom.
+command line, §5 claims, §6 unknown), then the module's contracts beyond the article (leaving
+unknown, retention, ticks, files and failed system calls), then the article's figures as
+results.json holds them.  The machinery they share (workspaces, children, one barrier) is in
+one section at the bottom; the helpers marked "# twin" are written identically in
+test_preconditions.py, so that each article's five files run alone.
+
+The companion's self-checks are in beyond/test_companion.py, which no download needs: the copy
+kits, README.md's tables and walk-through, the public names, the driver's own failures, the
+five-file download, and the test that the twins are identical.
 
 How the suite runs its children: most are forked, as the driver forks them
 (run_experiment.fork_start), and run the module's own command line, main(argv); a fork costs
@@ -15,16 +21,16 @@ a few milliseconds where a fresh interpreter costs about 30.  The rule that buys
 parent holds no SQLite connection to a file the child opens (SQLite's lock records would be
 copied into the child), so tests close theirs first (ws.close()), and on Linux fork_start
 checks the rule by inode through /proc/self/fd.  Fresh interpreters run only where the
-interpreter itself is under test: the real entry point once per exit code, the locale and
-strace tests, the five-file download, the copy kits, the walk-through, Ctrl-C.
+interpreter itself is under test: the real entry point once per exit code, and the locale and
+strace tests.
 
 Races are forced, not hoped for: race() releases its forked racers together at barriers the
 test checks, its watchdog measures silence rather than work, and racers retry "database is
 locked" (which wrote nothing), so a loaded machine makes a race slower, never failed.  Crashes
 and races are never simulated.  unittest.mock stands in only where the real event cannot be
-forced: a tool child that times out and a fork that fails half way through a batch (as the
-article says), a file that vanishes between connect()'s check and its open, the loser of two
-inits, and two observers: a trace of init's statements, and canonical() never reaching json.
+forced: a tool child that times out (as the article says), a file that vanishes between
+connect()'s check and its open, the loser of two inits, and two observers: a trace of init's
+statements, and canonical() never reaching json.
 """
 import os
 import sys
@@ -38,24 +44,18 @@ if sys.version_info < (3, 9):
 
 import ast
 import contextlib
-import errno
 import functools
-import glob
 import hashlib
-import io
 import itertools
 import json
 import random
-import re
 import select
-import shlex
 import shutil
 import signal
 import sqlite3
 import struct
 import subprocess
 import tempfile
-import time
 import types
 import unittest
 from unittest import mock
@@ -1280,8 +1280,8 @@ class ManyAgentsKilledAtOnceLoseNothing(unittest.TestCase):
         with workspace() as ws:
             database, folder = ws.path("receiver"), ws.root
             ws.close()
-            results = race(functools.partial(many_agents, database, folder), MANY_AGENTS,
-                           may_die=True)
+            results = race(functools.partial(many_agents, agent_receives, database, folder),
+                           MANY_AGENTS, may_die=True)
             self.assertEqual([r for r in results if r not in ("done", None)], [])
             self.assertIn(None, results, "the seed kills some agents, each by SIGKILL")
             answers = {}
@@ -2069,106 +2069,7 @@ class TheWalResetBugVersionsAreKnown(unittest.TestCase):
                       reliability.wal_reset_bug(sqlite3.sqlite_version_info))
 
 
-# === the copy kits and the public names the README lists ===
-
-class TheKitsRunAlone(unittest.TestCase):
-    """第一篇 §3 and §5, copied out: each kit is exactly what its functions need, and runs alone
-    on a connection opened as README.md tells the copier (on Python 3.12+ too, where one is
-    found)."""
-
-    def test_each_kit_is_the_transitive_closure_of_what_its_functions_need(self):
-        self.assertEqual(closure(["receive"]), {
-            "receive", "_replayed", "transaction", "canonical", "_least_bytes", "check_identity",
-            "check_ticks", "crash_point", "CRASH_AT", "CRASH_EXIT", "Conflict", "Expired",
-            "CorruptRecord", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
-            "MAX_TICK", "_dumps"})
-        self.assertEqual(closure(["enqueue", "claim", "acknowledge"]), {
-            "enqueue", "claim", "_oldest_due", "acknowledge", "check_response", "transaction",
-            "canonical", "_least_bytes", "check_identity", "check_ticks", "crash_point",
-            "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS", "MAX_ATTEMPTS",
-            "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK", "_dumps"})
-        # What a copier pastes, in lines: it may not grow unnoticed.
-        self.assertLessEqual(kit_lines(["receive"]), 119)
-        self.assertLessEqual(kit_lines(["claim", "acknowledge"]), 158)
-
-    def test_the_receive_kit_runs_the_articles_replay_alone(self):
-        self.assert_runs_alone(["receive"], """
-connection = open_database(os.path.join(folder, "receiver.db"))
-for statement in SCHEMAS["receiver.db"]:
-    connection.execute(statement)
-first = kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=0)
-assert first["ticket_id"] == 1, first
-# The replay.
-assert kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=1) == first
-try:
-    kit.receive(connection, "agent", "k1", OTHER_PAYLOAD, issued_at=0, now=2)
-    raise AssertionError("the same key with another payload was accepted")
-except kit.Conflict:
-    pass
-assert connection.execute("SELECT count(*) FROM tickets").fetchone()[0] == 1
-connection.close()
-""")
-
-    def test_the_outbox_kit_runs_the_articles_lease_and_stale_acknowledgement_alone(self):
-        self.assert_runs_alone(["enqueue", "claim", "acknowledge"], """
-connection = open_database(os.path.join(folder, "sender.db"))
-for statement in SCHEMAS["sender.db"]:
-    connection.execute(statement)
-assert kit.enqueue(connection, "agent", "k1", PAYLOAD, now=0) == "accepted"
-assert kit.claim(connection, 0)["attempt"] == 1
-# The lease runs to tick 10.
-assert kit.claim(connection, 9) is None
-assert kit.claim(connection, 11)["attempt"] == 2
-response = {"caller": "agent", "key": "k1", "digest": kit.canonical(PAYLOAD)[1], "ticket_id": 1}
-# The stale attempt.
-assert kit.acknowledge(connection, "agent", "k1", 1, response) is False
-assert kit.acknowledge(connection, "agent", "k1", 2, response) is True
-assert connection.execute("SELECT state, attempts FROM outbox").fetchall() == [("done", 2)]
-connection.close()
-""")
-
-    def assert_runs_alone(self, roots, check):
-        """The kit of ``roots`` in a module of its own, run in fresh interpreters as a copier
-        would: connection opened as README.md's open_database() does, tables made from
-        SCHEMAS' statements, then ``check``."""
-        recipe = readme_blocks("python")
-        self.assertEqual(len(recipe), 1, "README.md has one python block: how to open the"
-                                         " kits' connection")
-        for python, (code, out, err) in run_kit(closure(roots), recipe[0], check):
-            with self.subTest(python=python):
-                self.assertEqual((code, err.decode("utf-8")), (0, ""))
-                self.assertTrue(out.startswith(b"ok"), out)
-
-    def test_the_kits_fail_loudly_on_a_connection_made_another_way(self):
-        # What the README warns about, shown: 3.12's autocommit=False opens a transaction of its
-        # own.
-        if sys.version_info < (3, 12):
-            self.skipTest("sqlite3's autocommit setting exists from Python 3.12")
-        with tempfile.TemporaryDirectory() as directory:
-            connection = sqlite3.connect(os.path.join(directory, "r.db"), autocommit=False)
-            try:
-                with self.assertRaisesRegex(sqlite3.OperationalError, "within a transaction"):
-                    reliability.transaction(connection).__enter__()
-            finally:
-                connection.close()
-
-
-class TheReadmeListsThePublicNames(unittest.TestCase):
-    """README.md lists reliability.__all__ on one line; it must not go stale."""
-
-    def test_the_readme_lists_exactly_reliability_all(self):
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-            lines = [line for line in handle.read().splitlines()
-                     if line.startswith("`reliability.__all__`:")]
-        self.assertTrue(lines, "README.md has no line starting with `reliability.__all__`:")
-        for line in lines:
-            listed = re.findall(r"`([^`]+)`", line.split(":", 1)[1])
-            self.assertEqual(sorted(listed), sorted(reliability.__all__))
-        self.assertEqual(len(reliability.__all__), len(set(reliability.__all__)))
-        self.assertTrue(all(hasattr(reliability, name) for name in reliability.__all__))
-
-
-# === results.json as committed (--check reruns every scenario against it), the driver, README ===
+# === results.json as committed (--check reruns every scenario against it) ===
 
 class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
     """第一篇 §4–§6 as results.json records the driver's run; ``run_experiment.py --check``
@@ -2241,459 +2142,15 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
         self.assertEqual(twice, {"after_receiver_commit"})
 
 
-class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
-    """run_experiment.py itself: exit codes, Ctrl-C, a dead worker, a batch that fails, the
-    barrier, --check's comparison, a failed invariant or integrity check."""
-
-    @unittest.skipUnless(os.path.isdir("/proc/self/fd"), "the check reads /proc/self/fd")
-    def test_fork_start_refuses_to_fork_while_this_process_holds_a_database_the_child_opens(self):
-        with workspace() as ws:
-            # An open connection, as a test or the driver might hold.
-            ws.receiver.execute("SELECT 1")
-            for argv in (["serve", "receive", ws.path("receiver")], ["snapshot", ws.root]):
-                with self.subTest(argv=argv), \
-                        self.assertRaisesRegex(RuntimeError, r"receiver\.db(-wal|-shm)? open"):
-                    run_experiment.fork_start(reliability, argv)
-            ws.close()
-            # Another name for the same inode: SQLite's lock records are per inode.  connect()
-            # refuses a file with two names; a plain connection through the other one is still
-            # held.
-            alias = os.path.join(ws.root, "alias")
-            os.link(ws.path("receiver"), alias)
-            with contextlib.closing(sqlite3.connect(alias)), \
-                    self.assertRaisesRegex(RuntimeError, "receiver.db open"):
-                run_experiment.fork_start(reliability, ["serve", "receive", ws.path("receiver")])
-            os.remove(alias)
-            # Not a database: no reason to refuse.
-            with open(os.path.join(ws.root, "notes.txt"), "w"):
-                self.assertEqual(cli("snapshot", ws.root)[0], 0)
-            # Not even a path: the child, not the guard, says so.
-            self.assertEqual(cli("snapshot", "\ud800")[0], 1)
-
-    def test_a_forked_child_exits_as_sys_exit_of_main_would(self):
-        def returns_or_raises(outcome):
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return outcome
-        cases = [(None, 0, ""), (3, 3, ""), ("text", 1, "text\n"), (SystemExit(2), 2, ""),
-                 (SystemExit("bye"), 1, "bye\n"), (ValueError("boom"), 1, "ValueError: boom\n")]
-        for outcome, code, tail in cases:
-            with self.subTest(outcome=outcome), tempfile.TemporaryFile() as stderr:
-                module = stand_in(lambda argv: returns_or_raises(outcome))
-                child = run_experiment.fork_start(module, [], stderr=stderr.fileno())
-                child.communicate(b"", timeout=WATCHDOG)
-                stderr.seek(0)
-                self.assertEqual(child.returncode, code)
-                self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
-
-    def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
-        with tempfile.TemporaryDirectory() as directory:
-            for argv in (["--output", directory],
-                         ["--output", os.path.join(directory, "missing", "out.json")],
-                         ["--check", os.path.join(directory, "missing.json")]):
-                with self.subTest(argv=argv):
-                    code, out, err = run_main(*argv)
-                    self.assertEqual((code, out, len(err.splitlines())), (2, "", 1))
-                    self.assertIn("run_experiment.py: error:", err)
-
-    @unittest.skipUnless(os.path.isdir("/proc"), "a FIFO holds the driver still (Linux /proc)")
-    def test_ctrl_c_exits_130_with_one_line_and_no_traceback(self):
-        # A background job: its children ignore SIGINT too.
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            self.skipTest("SIGINT is ignored in this process, so no child of it can be"
-                          " interrupted")
-        # --check opens a FIFO that nobody writes: the driver waits there until the interrupt.
-        with tempfile.TemporaryDirectory() as directory:
-            fifo = os.path.join(directory, "results.json")
-            os.mkfifo(fifo)
-            driver = os.path.join(HERE, "run_experiment.py")
-            child = subprocess.Popen([sys.executable, "-S", driver, "--check", fifo],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            writer = None
-            try:
-                deadline = time.monotonic() + WATCHDOG
-                # Opened for writing once the driver has it open for reading.
-                while writer is None:
-                    try:
-                        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                    except OSError as error:
-                        # ENXIO: no reader yet.
-                        self.assertEqual(error.errno, errno.ENXIO)
-                        self.assertLess(time.monotonic(), deadline,
-                                        "the driver never opened the FIFO")
-                        time.sleep(0.005)
-                # Interrupted once it sleeps in read() with the FIFO open: the read returns EINTR
-                # and the interrupt is raised.  One that landed between open() and read() would
-                # wait, unseen by Python's C code, until the read returned.
-                while not sleeps_reading(child.pid, fifo):
-                    self.assertLess(time.monotonic(), deadline, "the driver never read the FIFO")
-                    time.sleep(0.005)
-                child.send_signal(signal.SIGINT)
-                try:
-                    out, err = child.communicate(timeout=WATCHDOG)
-                except subprocess.TimeoutExpired:
-                    # What the driver did with the signal: blocked, ignored or pending.
-                    with open(f"/proc/{child.pid}/status", encoding="utf-8") as status:
-                        masks = [line.strip() for line in status if line.startswith("Sig")]
-                    raise AssertionError(f"the driver outlived its interrupt: {masks}") from None
-            finally:
-                if writer is not None:
-                    os.close(writer)
-                if child.returncode is None:
-                    child.kill()
-                    child.communicate()
-            self.assertEqual((child.returncode, out, err.decode("utf-8")),
-                             (130, b"", "run_experiment.py: interrupted\n"))
-
-    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
-    def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
-        # The worker process itself, not a child: it reports nothing.
-        def kills_its_worker(run):
-            os._exit(9)
-
-        def observes(run):
-            run.stages["seen"] = {"pid_differs": os.getpid() != parent}
-        parent = os.getpid()
-        added = {"kills_its_worker": kills_its_worker, "observes": observes,
-                 "observes_too": observes}
-        for name, function in added.items():
-            run_experiment.SCENARIOS[name] = ("article_7", name, function)
-        try:
-            runs = run_experiment.run_all(list(added), jobs=2)
-        finally:
-            for name in added:
-                del run_experiment.SCENARIOS[name]
-        died = "its worker died or failed before reporting (a traceback, if any, is above)"
-        self.assertEqual({run.name: (run.failures, run.stages) for run in runs}, {
-            "kills_its_worker": ([died], {}), "observes": ([], {"seen": {"pid_differs": True}}),
-            "observes_too": ([], {"seen": {"pid_differs": True}})})
-
-    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
-    def test_a_batch_that_fails_half_way_kills_and_reaps_every_child_before_its_folder_goes(self):
-        # Real children that would wait for ever (serve --wait with no request), then a failure:
-        # a child at the watchdog, or a start that fails half way (the only simulated part: fork
-        # refusing a fourth child).
-        real, started = run_experiment.fork_start, []
-
-        def fourth_fails(*args, **kwargs):
-            if len(started) == 3:
-                raise OSError("no more processes")
-            started.append(real(*args, **kwargs))
-            return started[-1]
-        with workspace() as ws:
-            ws.close()
-            run = run_experiment.Run("batch", ws.root)
-            command = ("reliability.py", "serve", "receive", ws.path("receiver"), "--wait")
-            with self.assertRaises(RuntimeError), \
-                    run_experiment.batch(run, [command] * 8) as children:
-                raise RuntimeError("one child hung at the watchdog")
-            with mock.patch.object(run_experiment, "fork_start", fourth_fails), \
-                    self.assertRaises(OSError):
-                with run_experiment.batch(run, [command] * 8):
-                    pass
-            for child in children + started:
-                self.assertEqual(child.returncode, -signal.SIGKILL)
-                with self.assertRaises(ChildProcessError, msg="reaped: no zombie either"):
-                    os.waitpid(child.pid, os.WNOHANG)
-            self.assertEqual((len(children), len(started)), (8, 3))
-
-    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
-    def test_a_racer_that_never_reaches_the_barrier_fails_the_race(self):
-        request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0,
-                              "now": 0})
-        with workspace() as ws:
-            ws.close()
-            run = run_experiment.Run("race", ws.root)
-            serve = ("reliability.py", "serve", "receive", ws.path("receiver"))
-            with run_experiment.batch(run, [serve + ("--wait",)] * 2) as children:
-                self.assertEqual(run_experiment.race(children, request)[0], 2)
-            with self.assertRaisesRegex(RuntimeError, "did not all reach the barrier"):
-                # One answers at once.
-                with run_experiment.batch(run, [serve + ("--wait",), serve]) as children:
-                    run_experiment.race(children, request)
-
-    @unittest.skipUnless(hasattr(os, "fork"), "the tests' racers are forked")
-    def test_the_tests_race_fails_at_once_when_a_racer_never_comes_to_its_barrier(self):
-        def body(wait):
-            # The first racer to number itself gives up before the barrier.
-            if numbered(folder, "racer")[0] == 0:
-                raise RuntimeError("gave up before the barrier")
-            wait()
-            return "through"
-        with tempfile.TemporaryDirectory() as folder:
-            with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
-                with self.assertRaisesRegex(AssertionError, "ended while the others waited"):
-                    race(body, 3)
-
-    def test_check_exits_1_and_names_each_difference_by_value_json_type_and_key(self):
-        with tempfile.TemporaryDirectory() as directory:
-            for label, tamper in (("changed", lambda stage: stage.update(receiver_tickets=2)),
-                                  ("missing", lambda stage: stage.pop("receiver_tickets")),
-                                  ("extra", lambda stage: stage.update(surplus=0))):
-                with self.subTest(label):
-                    expected = json.loads(json.dumps(RESULTS))
-                    tamper(expected["article_1"]["idempotent_lost_ack"]["after_recovery"])
-                    path = os.path.join(directory, label + ".json")
-                    with open(path, "w", encoding="utf-8") as handle:
-                        json.dump(expected, handle)
-                    code, out, _ = run_main("--check", path, "--only", "idempotent_lost_ack")
-                    self.assertEqual(code, 1, out)
-                    key = "surplus" if label == "extra" else "receiver_tickets"
-                    self.assertIn("differs: article_1.idempotent_lost_ack.after_recovery."
-                                  + key, out)
-                    self.assertIn("0/1 scenarios match", out)
-        differences = run_experiment.differences
-        self.assertEqual(differences({"x": {"a": 1, "b": 2}}, {"x": {"a": 1}}),
-                         [("x.b", 2, "<absent>")])
-        self.assertEqual(differences({"x": {"a": 1}}, {"x": {"a": 1, "b": 2}}),
-                         [("x.b", "<absent>", 2)])
-        # JSON types are compared, so 1 is not true.
-        self.assertEqual(differences({"a": 0, "b": 2, "c": [1]},
-                                     {"a": False, "b": 2.0, "c": [True]}),
-                         [("a", 0, False), ("b", 2, 2.0), ("c", [1], [True])])
-        self.assertEqual(differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
-        # A scenario in results.json that the driver no longer runs is compared, so it differs.
-        ghost = dict(RESULTS, article_1=dict(RESULTS["article_1"], ghost={"seen": {"tickets": 1}}))
-        self.assertIn("ghost", run_experiment.compared(ghost)["article_1"])
-        self.assertEqual(set(run_experiment.compared(ghost, ["ghost"])), {"article_1"})
-        self.assertNotIn("ghost",
-                         run_experiment.compared(ghost, ["idempotent_lost_ack"])["article_1"])
-
-    def test_a_failed_invariant_fails_the_run_and_is_counted(self):
-        def breaks_its_invariant(run):
-            run.expect("the figure", 1, 2)
-        run_experiment.SCENARIOS["breaks_its_invariant"] = ("article_1", "a scenario that fails",
-                                                            breaks_its_invariant)
-        try:
-            code, out, _ = run_main("--only", "breaks_its_invariant")
-        finally:
-            del run_experiment.SCENARIOS["breaks_its_invariant"]
-        self.assertEqual(code, 1)
-        self.assertIn("invariant failed: the figure: expected 2, observed 1", out)
-        self.assertIn("0/1 scenarios hold their invariants", out)
-
-    def test_the_integrity_check_after_each_scenario_can_fail(self):
-        with tempfile.TemporaryDirectory() as directory:
-            # A receipt whose ticket does not exist.
-            with raw(os.path.join(directory, "keys.db")) as broken:
-                for statement in reliability.SCHEMAS[RECEIVER]:
-                    broken.execute(statement)
-                broken.execute("INSERT INTO receipts VALUES ('a', 'k', 'd', 99, 0)")
-            pages = os.path.join(directory, "pages.db")
-            with raw(pages) as broken:
-                broken.execute("CREATE TABLE t (x TEXT)")
-                broken.execute("CREATE INDEX t_x ON t (x)")
-                broken.executemany("INSERT INTO t VALUES (?)",
-                                   [(f"row {i}" * 20,) for i in range(200)])
-            # The last page overwritten: SQLite's own check must see it.
-            with open(pages, "r+b") as handle:
-                handle.seek(-4096, os.SEEK_END)
-                handle.write(GARBAGE[:4096])
-            run = run_experiment.Run("integrity", directory)
-            run_experiment.check_integrity(run)
-        self.assertEqual(sorted(name for name, verdict in run.integrity.items()
-                                if verdict != "ok"), ["keys.db", "pages.db"])
-        self.assertEqual(len(run.failures), 2)
-
-
-class TheFiveFilesRunAlone(unittest.TestCase):
-    """第一篇 §7: the article's download (reliability.py, run_experiment.py, test_reliability.py,
-    results.json, README.md) alone in a folder reproduces results.json."""
-
-    def test_the_five_downloaded_files_alone_reproduce_results_json_and_import_the_tests(self):
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        with tempfile.TemporaryDirectory() as directory:
-            for name in DOWNLOAD:
-                shutil.copyfile(os.path.join(HERE, name), os.path.join(directory, name))
-            # The article's command, on one scenario of each group: the same imports,
-            # registration and comparison as the whole run (which the README's --check already
-            # does), at a fraction of the time; meanwhile another process imports the tests and
-            # counts what the driver registered.
-            only = ["idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
-            commands = [["run_experiment.py", "--check", "results.json", "--output",
-                         "reproduced.json", "--only", *only],
-                        ["-c", "import json, pathlib, sys, test_reliability, run_experiment as r;"
-                               " text = pathlib.Path('results.json').read_text('utf-8');"
-                               " print(len(r.SCENARIOS), 'preconditions' in sys.modules,"
-                               " sorted(n for group in r.compared(json.loads(text)).values()"
-                               " for n in group) == sorted(r.SCENARIOS))"]]
-            (code, check, _), imported = run_together(
-                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
-                cwd=directory, env=env)
-            self.assertEqual(code, 0, check.decode("utf-8"))
-            # The cell brings in after_claim, the article scenario that is that cell.
-            self.assertIn(b"4/4 scenarios match results.json", check)
-            with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
-                self.assertEqual(set(json.load(handle)),
-                                 {"article_1", "open_ends", "crash_matrix"})
-            # Article 1's scenarios, those beyond it and its crash-matrix cells are registered,
-            # and exactly these are what a whole --check compares.
-            registered = len(RESULTS["article_1"]) + len(RESULTS["open_ends"]) + len(MATRIX)
-            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
-            self.assertEqual(sorted(os.listdir(directory)),
-                             sorted(DOWNLOAD + ("reproduced.json",)))
-
-
-class TheReadmeShowsWhatTheRunShows(unittest.TestCase):
-    """README.md stays true for the reader: its limits, its headline lines and tables are the
-    driver's and results.json's, its walk-through runs as printed, its map and kits name what
-    exists."""
-
-    # The first table's "ours" cell of each article 1 scenario, and the list beyond article 1:
-    # the figures each gives, in order, as stage.figure in the scenario's results.
-    FIGURES = {
-        "naive_lost_ack": ["after_lost_ack.receiver_tickets", "after_recovery.receiver_tickets"],
-        "mark_before_send_loses_task": ["after_restart.sender_state",
-                                        "after_restart.receiver_tickets"],
-        "idempotent_lost_ack": ["after_lost_ack.receiver_tickets",
-                                "after_recovery.receiver_tickets",
-                                "after_recovery.response.ticket_id"],
-        "before_intent_commit": ["after_recovery.retry", "after_recovery.receiver_tickets"],
-        "after_intent_commit": ["after_recovery.retry", "after_recovery.receiver_tickets"],
-        "after_claim": ["before_lease_expiry.attempts", "after_recovery.attempts",
-                        "after_recovery.receiver_tickets"],
-        "before_receiver_commit": ["after_crash.receiver_tickets",
-                                   "after_recovery.receiver_tickets"],
-        "after_response_write": ["after_crash.sender_state", "after_crash.attempts"],
-        "after_response_before_ack": ["after_recovery.attempts",
-                                      "after_recovery.response.ticket_id"],
-        "after_ack": ["after_restart.attempts", "after_restart.receiver_tickets"],
-        "mismatched_payload": ["after_mismatch.refusal", "after_mismatch.receiver_tickets"],
-        "concurrent_claim": ["after_race.claim_winners", "after_race.released_together",
-                             "after_stale_ack.stale_ack"],
-        "concurrent_receiver": ["after_race.receiver_tickets", "after_race.receiver_receipts",
-                                "after_race.distinct_responses"],
-        "before_external_effect": ["after_restart.sender_state",
-                                   "after_restart.external_tickets"],
-        "after_external_effect": ["after_restart.sender_state", "after_restart.external_tickets"],
-        "unsafe_external_retry": ["after_unsafe_retry.external_tickets"],
-        "reconcile_found": ["after_restart.external_tickets"],
-        "reconcile_absent": ["after_retry.external_tickets"],
-        "manual_resolution": ["after_resolution.audit_rewrite"],
-        "late_replay_after_purge": ["after_late_replay.response.error",
-                                    "after_late_replay.receiver_tickets"],
-        "late_replay_without_policy": ["after_late_replay.receiver_tickets"],
-    }
-
-    @classmethod
-    def setUpClass(cls):
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-            cls.text = handle.read()
-        cls.lines = cls.text.splitlines()
-
-    def assert_figures(self, name, cell):
-        """``cell`` gives the figures of scenario ``name`` in order, and no other number."""
-        values = [figure(name, path) for path in self.FIGURES[name]]
-        self.assertTrue(holds_figures(cell, values), f"{cell!r} does not give {values!r}")
-
-    def test_it_keeps_its_limits_and_gives_the_two_commands_ci_runs(self):
-        # One page a reader finishes: the design card's 300 lines, the hook's 16,000 characters.
-        self.assertLessEqual(len(self.lines), 300)
-        self.assertLessEqual(len(self.text), 16000)
-        prose = re.sub(r"^```.*?^```", "", self.text, flags=re.S | re.M)
-        units = [unit.strip() for paragraph in re.split(r"\n\s*\n", prose)
-                 for unit in re.split(r"\n(?=\s*(?:[-*]|\d+\.)\s)", paragraph) if unit.strip()]
-        self.assertLessEqual(max(len(unit) for unit in units if not unit.startswith("|")), 600)
-        self.assertIn("python3 -m unittest\npython3 run_experiment.py --check\n", self.text)
-        ci = os.path.join(HERE, ".ci", "run")
-        # Not in an article's five-file download.
-        if os.path.exists(ci):
-            with open(ci, encoding="utf-8") as handle:
-                self.assertIn('"$real" -m unittest && "$real" run_experiment.py --check',
-                              handle.read())
-
-    def test_its_headline_lines_are_the_consoles_within_the_first_60_lines(self):
-        names = ["naive_lost_ack", "mark_before_send_loses_task", "idempotent_lost_ack"]
-        top = self.lines[:60]
-        for run in run_experiment.run_all(names):
-            self.assertEqual(run.failures, [])
-            self.assertIn(run_experiment.console_line(run), top)
-        total = sum(len(group) for group in RESULTS.values())
-        self.assertIn(f"{total}/{total} scenarios match results.json", top)
-
-    def test_the_scenario_counts_it_gives_are_the_drivers(self):
-        article, beyond, cells = len(RESULTS["article_1"]), len(RESULTS["open_ends"]), len(MATRIX)
-        ours = article + beyond + cells
-        for said in (f"第一篇 {ours}（{article} 个文章场景 + {beyond} 个超出文章 + {cells} 格崩溃矩阵）",
-                     f"article 1's {ours} ({article} scenarios + {beyond} beyond + {cells}"
-                     " crash-matrix cells)"):
-            self.assertTrue(said in self.text, f"README.md does not say {said!r}")
-
-    def test_the_scenario_table_and_the_list_beyond_give_results_jsons_figures(self):
-        rows = {re.match(r"`(\w+)`", row[0]).group(1): row
-                for row in readme_table("| 场景 scenario")}
-        self.assertEqual(list(rows), [name for name, (group, _, _)
-                                      in run_experiment.SCENARIOS.items() if group == "article_1"])
-        for name, row in rows.items():
-            with self.subTest(name):
-                self.assert_figures(name, row[2])
-        beyond = {re.match(r"- `(\w+)`", line).group(1): line for line in self.lines
-                  if re.match(r"- `\w+` ", line)}
-        self.assertEqual(list(beyond), [name for name, (group, _, _)
-                                        in run_experiment.SCENARIOS.items()
-                                        if group == "open_ends"])
-        for name, line in beyond.items():
-            with self.subTest(name):
-                self.assert_figures(name, line[line.rindex("（"):])
-
-    def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_it_all(self):
-        [block] = [block for block in readme_blocks("sh")
-                   if "python3 reliability.py init" in block]
-        self.assertGreaterEqual(len([line for line in block.splitlines()
-                                     if line.startswith("python3")]), 10)
-        code, out, unseen = walk_through(block, DOWNLOAD, SAME_FLAGS)
-        # Each output where the reader is told to look, in the block's order.
-        self.assertIsNone(unseen, out)
-        self.assertEqual(code, 0, out)
-        self.assertNotIn("Traceback", out)
-
-    def test_the_map_names_only_code_scenarios_and_tests_that_exist(self):
-        rows = readme_table("| 章节")
-        self.assertTrue(rows)
-        for section, code, scenario, test in rows:
-            article_7 = section.startswith("七")
-            module, tests = (("preconditions.py", "test_preconditions.py") if article_7
-                             else ("reliability.py", "test_reliability.py"))
-            # The other article's five-file download.
-            if not os.path.exists(os.path.join(HERE, module)):
-                continue
-            for name in re.findall(r"`([^`]+)`", code):
-                self.assertIn(name, module_definitions(os.path.join(HERE, module)), section)
-            for name in re.findall(r"`([^`]+)`", scenario):
-                self.assertIn(name, run_experiment.SCENARIOS, section)
-                self.assertEqual(run_experiment.SCENARIOS[name][0].startswith("article_7"),
-                                 article_7, section)
-            if os.path.exists(os.path.join(HERE, tests)):
-                for name in re.findall(r"`([^`]+)`", test):
-                    self.assertIn(name, module_definitions(os.path.join(HERE, tests)), section)
-
-    def test_each_kit_row_lists_its_closure_and_the_tables_name_what_schemas_needs(self):
-        rows = {row[0]: row for row in readme_table("| 要用的")}
-        for use in ("`reliability.receive`", "`reliability.enqueue` + `claim` + `acknowledge`"):
-            with self.subTest(use):
-                roots = re.findall(r"`(?:reliability\.)?([^`]+)`", use)
-                self.assertEqual(set(re.findall(r"`([^`]+)`", rows[use][1])) | set(roots),
-                                 closure(roots))
-        # Both halves say what SCHEMAS needs besides itself.
-        for said in (r"`SCHEMAS`（它要 (.*?) 三个名字）", r"`SCHEMAS` \(it needs (.*?)\)"):
-            with self.subTest(said):
-                named = re.search(said, self.text)
-                self.assertTrue(named, said)
-                self.assertEqual(set(re.findall(r"`([^`]+)`", named.group(1))) | {"SCHEMAS"},
-                                 closure(["SCHEMAS"]))
-
-
-# === machinery: workspaces, children, one barrier, the kits, README and results.json ===
+# === machinery: workspaces, children, one barrier, the source and results.json ===
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.abspath(reliability.__file__)
+# The module the twins below run: test_preconditions.py's twins run preconditions.py.
+UNDER_TEST = reliability
 # Seconds: only ends a hung child, never asserted as a measurement.
+# twin: identical in test_preconditions.py
 WATCHDOG = 60.0
-# This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
-SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{w}" for w in sys.warnoptions]
-# The article's download: these five files alone run it.
-DOWNLOAD = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py",
-            "README.md")
 # A fresh interpreter whose text streams are not UTF-8, as an 8-bit locale makes them: the C
 # locale with UTF-8 mode off, and latin-1 streams (-I would ignore PYTHONIOENCODING, so -S alone).
 LEGACY = ["-S", "-X", "utf8=0"], dict(
@@ -2711,6 +2168,7 @@ def setUpModule():
     reliability.init(TEMPLATE["dir"].name)
 
 
+# twin: identical in test_preconditions.py
 def tearDownModule():
     TEMPLATE.pop("dir").cleanup()
 
@@ -2842,6 +2300,7 @@ def sender_rows(ws):
     return rows(ws.sender, "requests"), rows(ws.sender, "outbox"), audit(ws)
 
 
+# twin: identical in test_preconditions.py
 def file_bytes(path):
     with open(path, "rb") as handle:
         return handle.read()
@@ -2890,14 +2349,23 @@ class HidingDict(dict):
 
 # --- children: the module's own command line, tool children, stand-ins, live processes
 
-def cli(*argv, stdin=b""):
-    """reliability.py's command line, main(argv), in a child forked by fork_start and run to
-    its end: (exit code, stdout, stderr) as UTF-8.  A child still running at the watchdog, or
-    when anything here fails, is killed and reaped."""
+# twin: identical in test_preconditions.py
+def cli(*argv, between=None, stdin=b""):
+    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
+    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
+    ``between``, for a --wait child: at its READY line (it has read what it checks) run
+    between(), then write GO.  A child still running at the watchdog, or when anything here
+    fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(reliability, [str(arg) for arg in argv],
+        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
                                           stderr=stderr.fileno())
         try:
+            if between is not None:
+                ready = child.readline()
+                if ready != "READY":
+                    raise AssertionError(f"the child said {ready!r}, not READY")
+                between()
+                stdin = b"GO\n"
             out, _ = child.communicate(stdin, timeout=WATCHDOG)
         finally:
             run_experiment.reap([child])
@@ -2905,6 +2373,7 @@ def cli(*argv, stdin=b""):
         return child.returncode, out.decode("utf-8"), stderr.read().decode("utf-8")
 
 
+# twin: identical in test_preconditions.py
 def run_together(commands, stdin=b"", **options):
     """Run every command (an argv list) at once, each to its end with ``stdin`` as input;
     [(exit code, stdout, stderr)] as bytes.  A child still running at the watchdog, or when
@@ -3024,6 +2493,7 @@ def reconciling_tool(ws, before_lookup):
         yield tool
 
 
+# twin: identical in test_preconditions.py
 def _become_nobody():
     # Root may signal anyone and passes every permission check.
     if os.geteuid() == 0:
@@ -3048,23 +2518,13 @@ def posix_acl(uid, perms):
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
 
 
-def sleeps_reading(pid, path):
-    """Whether process ``pid`` holds ``path`` open and sleeps (state S), as in a read that waits
-    for a writer (Linux /proc)."""
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-        holds = any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.path.realpath(path)
-                    for fd in os.listdir(f"/proc/{pid}/fd"))
-        return holds and state == "S"
-    return False
-
-
+# twin: identical in test_preconditions.py
 def connect_as_nobody(path):
-    """The text of what connect(path) raises for a user that is not root, or "opened"."""
+    """In a forked child: the text of what UNDER_TEST.connect(path) raises for a user that is
+    not root (uid and gid 65534 if we are), or "opened"."""
     _become_nobody()
     try:
-        reliability.connect(path).close()
+        UNDER_TEST.connect(path).close()
         return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
@@ -3098,10 +2558,12 @@ def strace(inject, path, *argv):
 
 # --- one barrier: racers forked together, and many agents at once
 
-# Agents, connections by each, their choices.
+# Agents, connections opened by each, and the seed of their choices.
+# twin: identical in test_preconditions.py
 MANY_AGENTS, MANY_OPERATIONS, MANY_SEED = 3, 400, 7
 
 
+# twin: identical in test_preconditions.py
 def race(body, n=8, may_die=False):
     """Run ``body(wait)`` in ``n`` processes forked by run_experiment.fork_json; each wait() is
     a barrier that all n reach before any goes on, so the interleaving is forced, not hoped
@@ -3177,40 +2639,62 @@ def race(body, n=8, may_die=False):
             os.close(fd)
 
 
-def many_agents(database, folder, wait):
-    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, then receives a
-    key others receive too (1 in 10) and notes the answer in its journal, or checkpoints (1 in
-    20), or only reads, and closes.  Odd agents SIGKILL themselves in their second half, at a
-    seeded moment: just opened, inside the transaction, or answered but not yet noted."""
+# twin: identical in test_preconditions.py
+def many_agents(act, database, folder, wait):
+    """One of MANY_AGENTS agents: MANY_OPERATIONS times it opens ``database``, has
+    act(connection, rng, op, must_write, arm, mine) do one seeded operation there, notes in its
+    journal what act returns unless that is None, and closes.  Odd agents SIGKILL themselves in
+    their second half, at a seeded moment: just opened, inside the transaction, or answered but
+    not yet noted.  act writes when ``must_write`` (the agent dies in this operation) and calls
+    arm() where its write begins, which sets off a death inside the transaction; ``op`` is
+    agent-i/n, and ``mine`` the agent's own list, for act to keep what it did."""
     index, journal = numbered(folder, "agent")
     rng = random.Random(f"{MANY_SEED}/{index}")
     death = (rng.randrange(MANY_OPERATIONS // 2, MANY_OPERATIONS),
              rng.choice(("opened", "writing", "answered"))) if index % 2 else None
-    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    mine = []
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
     with open(journal, "ab", buffering=0) as journal:
         wait()
-        for operation in range(MANY_OPERATIONS):
-            connection, work = reliability.connect(database), rng.random()
+        for n in range(MANY_OPERATIONS):
+            connection = UNDER_TEST.connect(database)
             try:
-                if death == (operation, "opened"):
+                if death == (n, "opened"):
                     die()
-                if work < 0.1 or death and death[0] == operation:
-                    key = f"k{rng.randrange(MANY_OPERATIONS // 10)}"
-                    if death == (operation, "writing"):
+
+                def arm():
+                    if death == (n, "writing"):
                         connection.set_progress_handler(die, rng.randint(1, 40))
-                    answer = written(lambda: receive_on(connection, key, {"key": key}))
-                    if death == (operation, "answered"):
-                        die()
+                answer = act(connection, rng, f"agent-{index}/{n}",
+                             death is not None and death[0] == n, arm, mine)
+                if death == (n, "answered"):
+                    die()
+                if answer is not None:
                     journal.write(json.dumps(answer).encode("utf-8") + b"\n")
-                elif work < 0.15:
-                    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                else:
-                    connection.execute("SELECT count(*) FROM receipts").fetchone()
             finally:
                 connection.close()
     return "done"
 
 
+def agent_receives(connection, rng, op, must_write, arm, mine):
+    """A many_agents() operation on receiver.db: it receives a key others receive too (1 in 10,
+    and whenever it must write) and its answer is noted, or it checkpoints (1 in 20), or only
+    reads."""
+    work = rng.random()
+    if work < 0.1 or must_write:
+        key = f"k{rng.randrange(MANY_OPERATIONS // 10)}"
+        arm()
+        return written(lambda: receive_on(connection, key, {"key": key}))
+    if work < 0.15:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    else:
+        connection.execute("SELECT count(*) FROM receipts").fetchone()
+    return None
+
+
+# twin: identical in test_preconditions.py
 def numbered(folder, name):
     """(i, a descriptor of the journal folder/name-i that this process created): racers number
     themselves 0, 1, ... in the order they come, each journal appended to by one process only."""
@@ -3233,7 +2717,7 @@ def written(call):
                 raise
 
 
-# --- the copy kits: reliability.py's module-level definitions and what each needs
+# --- the source: reliability.py's module-level definitions, for the article's code
 
 with open(SCRIPT, encoding="utf-8") as _handle:
     SOURCE = _handle.read()
@@ -3247,8 +2731,6 @@ for _node in TREE.body:
         # SENDER, RECEIVER, EXTERNAL = ...: each name of a tuple too.
         for _name in (n for t in _node.targets for n in ast.walk(t) if isinstance(n, ast.Name)):
             DEFINITIONS[_name.id] = _node
-KIT_IMPORTS = ("import hashlib\nimport json\nimport os\nimport sqlite3\n"
-               "from contextlib import contextmanager\n")
 
 
 def segment(node):
@@ -3258,86 +2740,7 @@ def segment(node):
     return SOURCE.splitlines()[first - 1:node.end_lineno]
 
 
-def needs(node):
-    """The module-level definitions a definition refers to (names it binds itself excluded)."""
-    names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
-    loaded = {n.id for n in names if isinstance(n.ctx, ast.Load)}
-    bound = {n.id for n in names if not isinstance(n.ctx, ast.Load)}
-    bound |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
-    bound -= {name for n in ast.walk(node) if isinstance(n, ast.Global) for name in n.names}
-    return (loaded - bound) & set(DEFINITIONS)
-
-
-def closure(roots):
-    """The names of ``roots`` and of every definition they need, transitively: a kit."""
-    found, todo = set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name not in found:
-            found.add(name)
-            todo.extend(needs(DEFINITIONS[name]) - found)
-    return found
-
-
-def kit_lines(roots):
-    """The lines a copier pastes for the kit of ``roots``."""
-    return sum(len(segment(DEFINITIONS[name])) for name in closure(roots))
-
-
-def run_kit(names, recipe, check):
-    """The definitions ``names`` written to kit.py in a fresh folder, with KIT_IMPORTS; then
-    ``recipe`` (README.md's open_database()) and ``check`` run in a fresh interpreter, this one
-    and a 3.12+ where found, each on databases of its own.  [(interpreter, (exit code, stdout,
-    stderr))]; stdout starts with "ok" when ``check`` passed."""
-    nodes = sorted({id(DEFINITIONS[name]): DEFINITIONS[name] for name in names}.values(),
-                   key=lambda node: node.lineno)
-    interpreters = [sys.executable] + [newer for newer in [newer_python()] if newer]
-    with tempfile.TemporaryDirectory() as directory:
-        with open(os.path.join(directory, "kit.py"), "w", encoding="utf-8") as handle:
-            handle.write(KIT_IMPORTS + "\n" + "\n".join(line for node in nodes
-                                                        for line in segment(node) + [""]))
-        script = "\n".join([
-            "import os, sys", f"folder = {directory!r}", "sys.path.insert(0, folder)",
-            "import kit",
-            # Each interpreter its own databases: they run at the same time.
-            "folder = os.path.join(folder, sys.implementation.cache_tag)", "os.mkdir(folder)",
-            f"SCHEMAS = {reliability.SCHEMAS!r}",
-            f"PAYLOAD, OTHER_PAYLOAD = {PAYLOAD!r}, {OTHER_PAYLOAD!r}", recipe, check,
-            "assert kit.Conflict.__module__ == 'kit'",
-            "assert not os.path.exists(os.path.join(folder, 'reliability.py'))",
-            "print('ok', sys.version_info >= (3, 12))"])
-        return list(zip(interpreters, run_together(
-            [[python, "-I", "-S", *SAME_FLAGS, "-c", script] for python in interpreters])))
-
-
-@functools.lru_cache(maxsize=None)
-def newer_python():
-    """A CPython 3.12 or newer when this one is older, so the kits meet 3.12's sqlite3 (its
-    ``autocommit`` setting) on every run: on PATH, or installed by pyenv though not selected.
-    Returns the interpreter itself (a pyenv shim resolved), or None when none is found."""
-    pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    # 3.12.10 sorts after 3.12.9.
-    numbers = lambda path: [int(n) for n in re.findall(r"\d+", path)]
-    for minor in range(20, 11, -1) if sys.version_info < (3, 12) else ():
-        installed = glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin",
-                                           f"python3.{minor}"))
-        tried = set()
-        for found in [shutil.which(f"python3.{minor}"), *sorted(installed, key=numbers,
-                                                                reverse=True)]:
-            # One interpreter under two names: probed once.
-            if not found or os.path.realpath(found) in tried:
-                continue
-            tried.add(os.path.realpath(found))
-            probe = "import sqlite3, sys; sqlite3.Connection.autocommit; print(sys.executable)"
-            done = subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True,
-                                  timeout=WATCHDOG)
-            executable = done.stdout.decode("utf-8").strip()
-            if done.returncode == 0 and os.path.isabs(executable):
-                return executable
-    return None
-
-
-# --- results.json, the driver, README.md
+# --- results.json
 
 with open(run_experiment.RESULTS, encoding="utf-8") as _handle:
     RESULTS = json.load(_handle)
@@ -3350,97 +2753,6 @@ def figure(name, path):
     for key in path.split("."):
         value = value[key]
     return value
-
-
-def run_main(*argv):
-    """run_experiment.main(argv) in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = run_experiment.main(list(argv))
-        except SystemExit as stop:
-            code = stop.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def readme_blocks(language):
-    """The fenced code blocks of README.md in ``language`` (sh, sql, python), in order."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-        text = handle.read()
-    return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
-
-
-def readme_table(first):
-    """The rows (lists of cells) of the README.md table whose first line starts with ``first``;
-    where that line is a header, it and its --- line are left out."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
-        lines = handle.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(first))
-    if lines[start + 1:start + 2] and lines[start + 1].startswith("| ---"):
-        start += 2
-    rows = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
-
-
-def in_order(text, fragments):
-    """The first of ``fragments`` that ``text`` does not hold after the one before it; None if
-    none."""
-    position = 0
-    for fragment in fragments:
-        found = text.find(fragment, position)
-        if found < 0:
-            return fragment
-        position = found + len(fragment)
-    return None
-
-
-def holds_figures(cell, values):
-    """A README cell gives ``values``: its numbers are exactly the ints, and the strings are in
-    order."""
-    numbers = [str(value) for value in values if isinstance(value, int)]
-    strings = [value for value in values if isinstance(value, str)]
-    return re.findall(r"\d+", cell) == numbers and in_order(cell, strings) is None
-
-
-def walk_through(block, files, flags=()):
-    """Run a README walk-through as printed: bash in a fresh folder holding a copy of ``files``
-    (also its temporary folder), where ``python3`` is this interpreter (with ``flags``).
-    Returns (exit code, its stdout and stderr interleaved as text, the first output its "# → "
-    lines say the reader should see that did not come, in their order)."""
-    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as bin_dir:
-        for name in files:
-            shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
-        wrapper = os.path.join(bin_dir, "python3")
-        # -S: the download needs no site-packages, and a host's .pth hooks cost every command
-        # time.
-        with open(wrapper, "w", encoding="utf-8") as handle:
-            handle.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, [sys.executable, "-S",
-                                                                         *flags])) + ' "$@"\n')
-        os.chmod(wrapper, 0o755)
-        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which goes with it.
-        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                   PYTHONDONTWRITEBYTECODE="1", TMPDIR=folder)
-        done = subprocess.run(["bash"], input=block.encode("utf-8"), cwd=folder, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=WATCHDOG * 4)
-    out = done.stdout.decode("utf-8")
-    return done.returncode, out, in_order(out, [line[len("# → "):] for line in block.splitlines()
-                                                 if line.startswith("# → ")])
-
-
-@functools.lru_cache(maxsize=None)
-def module_definitions(path):
-    """Module-level names defined in a file, read as text (the other module may be absent)."""
-    with open(path, encoding="utf-8") as handle:
-        tree = ast.parse(handle.read())
-    defined = (ast.FunctionDef, ast.ClassDef)
-    return {node.name for node in tree.body if isinstance(node, defined)} | {
-        target.id for node in tree.body if isinstance(node, ast.Assign)
-        for target in node.targets if isinstance(target, ast.Name)}
 
 
 # Keep last: classes defined below it would not run under `python3 test_reliability.py`.

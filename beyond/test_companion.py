@@ -1,0 +1,1043 @@
+"""The companion's self-checks, beside the two articles' tests: the copy kits, README.md's tables
+and walk-throughs, the public names, the driver's robustness, the five-file downloads, and the
+twins that both articles' files keep identical.
+
+test_reliability.py and test_preconditions.py hold their article's sections in article order
+and their module's contracts (bad input, files, many processes); each runs alone in its
+article's five-file download, which this file is not part of.  What checks the companion as a
+whole is here, each helper written once.  The classes come in this order: article 1's (its
+copy kits, and what README.md says of it), article 7's (its copy kit, and what README.md says
+of it), then both articles' (the twins, the public names, README.md's limits and map, the
+driver, the five-file downloads).  The machinery is in one section at the bottom; it uses the
+two article test files' own workspaces, children and figures rather than copies of them.
+
+Run from the project root: ``python3 -m unittest beyond.test_companion``, or
+``python3 beyond/test_companion.py``.
+"""
+import ast
+import contextlib
+import errno
+import functools
+import glob
+import io
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from unittest import mock
+
+# Run as python3 beyond/test_companion.py, it finds beyond/ on its path: the modules are one up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import preconditions as pre
+import reliability
+import run_experiment
+import test_preconditions as article7
+import test_reliability as article1
+
+
+# === 第一篇: reliability.py's copy kits, and what README.md says of the article ===
+
+class TheKitsRunAlone(unittest.TestCase):
+    """第一篇 §3 and §5, copied out: each kit is exactly what its functions need, and runs alone
+    on a connection opened as README.md tells the copier (on Python 3.12+ too, where one is
+    found)."""
+
+    def test_each_kit_is_the_transitive_closure_of_what_its_functions_need(self):
+        self.assertEqual(closure(RELIABILITY, ["receive"]), {
+            "receive", "_replayed", "transaction", "canonical", "_least_bytes", "check_identity",
+            "check_ticks", "crash_point", "CRASH_AT", "CRASH_EXIT", "Conflict", "Expired",
+            "CorruptRecord", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
+            "MAX_TICK", "_dumps"})
+        self.assertEqual(closure(RELIABILITY, ["enqueue", "claim", "acknowledge"]), {
+            "enqueue", "claim", "_oldest_due", "acknowledge", "check_response", "transaction",
+            "canonical", "_least_bytes", "check_identity", "check_ticks", "crash_point",
+            "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS", "MAX_ATTEMPTS",
+            "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK", "_dumps"})
+        # What a copier pastes, in lines: it may not grow unnoticed.
+        self.assertLessEqual(kit_lines(RELIABILITY, ["receive"]), 119)
+        self.assertLessEqual(kit_lines(RELIABILITY, ["claim", "acknowledge"]), 158)
+
+    def test_the_receive_kit_runs_the_articles_replay_alone(self):
+        self.assert_runs_alone(["receive"], """
+connection = open_database(os.path.join(folder, "receiver.db"))
+for statement in SCHEMAS["receiver.db"]:
+    connection.execute(statement)
+first = kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=0)
+assert first["ticket_id"] == 1, first
+# The replay.
+assert kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=1) == first
+try:
+    kit.receive(connection, "agent", "k1", OTHER_PAYLOAD, issued_at=0, now=2)
+    raise AssertionError("the same key with another payload was accepted")
+except kit.Conflict:
+    pass
+assert connection.execute("SELECT count(*) FROM tickets").fetchone()[0] == 1
+connection.close()
+""")
+
+    def test_the_outbox_kit_runs_the_articles_lease_and_stale_acknowledgement_alone(self):
+        self.assert_runs_alone(["enqueue", "claim", "acknowledge"], """
+connection = open_database(os.path.join(folder, "sender.db"))
+for statement in SCHEMAS["sender.db"]:
+    connection.execute(statement)
+assert kit.enqueue(connection, "agent", "k1", PAYLOAD, now=0) == "accepted"
+assert kit.claim(connection, 0)["attempt"] == 1
+# The lease runs to tick 10.
+assert kit.claim(connection, 9) is None
+assert kit.claim(connection, 11)["attempt"] == 2
+response = {"caller": "agent", "key": "k1", "digest": kit.canonical(PAYLOAD)[1], "ticket_id": 1}
+# The stale attempt.
+assert kit.acknowledge(connection, "agent", "k1", 1, response) is False
+assert kit.acknowledge(connection, "agent", "k1", 2, response) is True
+assert connection.execute("SELECT state, attempts FROM outbox").fetchall() == [("done", 2)]
+connection.close()
+""")
+
+    def assert_runs_alone(self, roots, check):
+        """The kit of ``roots`` in a module of its own, run in fresh interpreters as a copier
+        would: connection opened as README.md's open_database() does, tables made from
+        SCHEMAS' statements, then ``check``."""
+        recipe = readme_blocks("python")
+        self.assertEqual(len(recipe), 1, "README.md has one python block: how to open the"
+                                         " kits' connection")
+        # Around ``check``: the script's own SCHEMAS and payloads; the kit's classes are its own,
+        # and no reliability.py was there to import.
+        check = "\n".join([
+            f"SCHEMAS = {reliability.SCHEMAS!r}",
+            f"PAYLOAD, OTHER_PAYLOAD = {article1.PAYLOAD!r}, {article1.OTHER_PAYLOAD!r}", check,
+            "assert kit.Conflict.__module__ == 'kit'",
+            "assert not os.path.exists(os.path.join(folder, 'reliability.py'))",
+            "print('ok', sys.version_info >= (3, 12))"])
+        kit = closure(RELIABILITY, roots)
+        for python, (code, out, err) in run_kit(RELIABILITY, kit, recipe[0], check):
+            with self.subTest(python=python):
+                self.assertEqual((code, err.decode("utf-8")), (0, ""))
+                self.assertTrue(out.startswith(b"ok"), out)
+
+    def test_the_kits_fail_loudly_on_a_connection_made_another_way(self):
+        # What the README warns about, shown: 3.12's autocommit=False opens a transaction of its
+        # own.
+        if sys.version_info < (3, 12):
+            self.skipTest("sqlite3's autocommit setting exists from Python 3.12")
+        with tempfile.TemporaryDirectory() as directory:
+            connection = sqlite3.connect(os.path.join(directory, "r.db"), autocommit=False)
+            try:
+                with self.assertRaisesRegex(sqlite3.OperationalError, "within a transaction"):
+                    reliability.transaction(connection).__enter__()
+            finally:
+                connection.close()
+
+
+class TheReadmeOnArticle1ShowsWhatTheRunShows(unittest.TestCase):
+    """README.md stays true for article 1's reader: its headline lines and tables are the
+    driver's and results.json's, its walk-through runs as printed, its kit rows name what each
+    kit needs."""
+
+    # The first table's "ours" cell of each article 1 scenario, and the list beyond article 1:
+    # the figures each gives, in order, as stage.figure in the scenario's results.
+    FIGURES = {
+        "naive_lost_ack": ["after_lost_ack.receiver_tickets", "after_recovery.receiver_tickets"],
+        "mark_before_send_loses_task": ["after_restart.sender_state",
+                                        "after_restart.receiver_tickets"],
+        "idempotent_lost_ack": ["after_lost_ack.receiver_tickets",
+                                "after_recovery.receiver_tickets",
+                                "after_recovery.response.ticket_id"],
+        "before_intent_commit": ["after_recovery.retry", "after_recovery.receiver_tickets"],
+        "after_intent_commit": ["after_recovery.retry", "after_recovery.receiver_tickets"],
+        "after_claim": ["before_lease_expiry.attempts", "after_recovery.attempts",
+                        "after_recovery.receiver_tickets"],
+        "before_receiver_commit": ["after_crash.receiver_tickets",
+                                   "after_recovery.receiver_tickets"],
+        "after_response_write": ["after_crash.sender_state", "after_crash.attempts"],
+        "after_response_before_ack": ["after_recovery.attempts",
+                                      "after_recovery.response.ticket_id"],
+        "after_ack": ["after_restart.attempts", "after_restart.receiver_tickets"],
+        "mismatched_payload": ["after_mismatch.refusal", "after_mismatch.receiver_tickets"],
+        "concurrent_claim": ["after_race.claim_winners", "after_race.released_together",
+                             "after_stale_ack.stale_ack"],
+        "concurrent_receiver": ["after_race.receiver_tickets", "after_race.receiver_receipts",
+                                "after_race.distinct_responses"],
+        "before_external_effect": ["after_restart.sender_state",
+                                   "after_restart.external_tickets"],
+        "after_external_effect": ["after_restart.sender_state", "after_restart.external_tickets"],
+        "unsafe_external_retry": ["after_unsafe_retry.external_tickets"],
+        "reconcile_found": ["after_restart.external_tickets"],
+        "reconcile_absent": ["after_retry.external_tickets"],
+        "manual_resolution": ["after_resolution.audit_rewrite"],
+        "late_replay_after_purge": ["after_late_replay.response.error",
+                                    "after_late_replay.receiver_tickets"],
+        "late_replay_without_policy": ["after_late_replay.receiver_tickets"],
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = readme()
+        cls.lines = cls.text.splitlines()
+
+    def assert_figures(self, name, cell):
+        """``cell`` gives the figures of scenario ``name`` in order, and no other number."""
+        values = [article1.figure(name, path) for path in self.FIGURES[name]]
+        self.assertTrue(holds_figures(cell, values), f"{cell!r} does not give {values!r}")
+
+    def test_its_headline_lines_are_the_consoles_within_the_first_60_lines(self):
+        names = ["naive_lost_ack", "mark_before_send_loses_task", "idempotent_lost_ack"]
+        top = self.lines[:60]
+        for run in run_experiment.run_all(names):
+            self.assertEqual(run.failures, [])
+            self.assertIn(run_experiment.console_line(run), top)
+        total = sum(len(group) for group in article1.RESULTS.values())
+        self.assertIn(f"{total}/{total} scenarios match results.json", top)
+
+    def test_the_scenario_counts_it_gives_are_the_drivers(self):
+        article, beyond = len(article1.RESULTS["article_1"]), len(article1.RESULTS["open_ends"])
+        cells = len(article1.MATRIX)
+        ours = article + beyond + cells
+        for said in (f"第一篇 {ours}（{article} 个文章场景 + {beyond} 个超出文章 + {cells} 格崩溃矩阵）",
+                     f"article 1's {ours} ({article} scenarios + {beyond} beyond + {cells}"
+                     " crash-matrix cells)"):
+            self.assertTrue(said in self.text, f"README.md does not say {said!r}")
+
+    def test_the_scenario_table_and_the_list_beyond_give_results_jsons_figures(self):
+        rows = {re.match(r"`(\w+)`", row[0]).group(1): row
+                for row in readme_table("| 场景 scenario")}
+        self.assertEqual(list(rows), [name for name, (group, _, _)
+                                      in run_experiment.SCENARIOS.items() if group == "article_1"])
+        for name, row in rows.items():
+            with self.subTest(name):
+                self.assert_figures(name, row[2])
+        beyond = {re.match(r"- `(\w+)`", line).group(1): line for line in self.lines
+                  if re.match(r"- `\w+` ", line)}
+        self.assertEqual(list(beyond), [name for name, (group, _, _)
+                                        in run_experiment.SCENARIOS.items()
+                                        if group == "open_ends"])
+        for name, line in beyond.items():
+            with self.subTest(name):
+                self.assert_figures(name, line[line.rindex("（"):])
+
+    def test_the_walk_through_runs_as_printed_in_a_copy_of_the_download_and_shows_it_all(self):
+        [block] = [block for block in readme_blocks("sh")
+                   if "python3 reliability.py init" in block]
+        self.assertGreaterEqual(len([line for line in block.splitlines()
+                                     if line.startswith("python3")]), 10)
+        code, out, unseen = walk_through(block, DOWNLOAD_1, SAME_FLAGS)
+        # Each output where the reader is told to look, in the block's order.
+        self.assertIsNone(unseen, out)
+        self.assertEqual(code, 0, out)
+        self.assertNotIn("Traceback", out)
+
+    def test_each_kit_row_lists_its_closure_and_the_tables_name_what_schemas_needs(self):
+        rows = {row[0]: row for row in readme_table("| 要用的")}
+        for use in ("`reliability.receive`", "`reliability.enqueue` + `claim` + `acknowledge`"):
+            with self.subTest(use):
+                roots = re.findall(r"`(?:reliability\.)?([^`]+)`", use)
+                self.assertEqual(set(re.findall(r"`([^`]+)`", rows[use][1])) | set(roots),
+                                 closure(RELIABILITY, roots))
+        # Both halves say what SCHEMAS needs besides itself.
+        for said in (r"`SCHEMAS`（它要 (.*?) 三个名字）", r"`SCHEMAS` \(it needs (.*?)\)"):
+            with self.subTest(said):
+                named = re.search(said, self.text)
+                self.assertTrue(named, said)
+                self.assertEqual(set(re.findall(r"`([^`]+)`", named.group(1))) | {"SCHEMAS"},
+                                 closure(RELIABILITY, ["SCHEMAS"]))
+
+
+# === 第七篇: preconditions.py's copy kit, and what README.md says of the article ===
+
+class TheExecuteKitRunsAlone(unittest.TestCase):
+    """The copy kit for execute(): exactly the definitions it needs, pasted into a fresh module,
+    run the article's scenario on the connection README.md's recipe opens."""
+
+    def test_the_kit_list_is_exactly_what_execute_needs(self):
+        found, needed = article7.definitions(PRECONDITIONS), closure(PRECONDITIONS, ["execute"])
+        self.assertEqual(needed, set(KIT))
+        with open(PRECONDITIONS, encoding="utf-8") as handle:
+            body = ast.parse(handle.read()).body
+        imported = {alias.asname or alias.name for node in body
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        used = {node.id for name in needed for node in ast.walk(found[name][0])
+                if isinstance(node, ast.Name) and node.id in imported}
+        self.assertLessEqual(used, {"hashlib", "json", "os", "sqlite3", "contextmanager"})
+
+    def test_the_execute_kit_alone_runs_the_articles_scenario_on_the_readmes_connection(self):
+        # As a copier would: the kit in a fresh module, the connection opened as README.md's
+        # open_database() does, the tables from SCHEMA, in a fresh interpreter (and in Python
+        # 3.12+ too, where one is found).
+        found = article7.definitions(PRECONDITIONS)
+        # In source order.
+        kit = [name for name in found if name in KIT]
+        self.assertEqual(sorted(kit), sorted(KIT))
+        self.assertLess(kit_lines(PRECONDITIONS, KIT), 150)
+        [recipe] = readme_blocks("python")
+        stale = {"status": "stale", "observed": {"A": 2, "B": 3}}
+        check = f"""
+connection = open_database(os.path.join(folder, "t.db"))
+for statement in {pre.SCHEMA!r}:
+    connection.execute(statement)
+connection.execute("INSERT INTO resources VALUES ('A', 10, 1), ('B', 0, 1)")
+plan = {article7.plan()!r}
+assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {article7.APPLIED!r}
+replayed = {{"status": "replayed", "result": {article7.APPLIED!r}}}
+assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == replayed
+# Another write.
+connection.execute("UPDATE resources SET quantity = 5, revision = 3 WHERE name = 'B'")
+assert kit.execute(connection, "job-2", plan, issued_at=0, now=0) == {stale!r}
+assert not os.path.exists(os.path.join(folder, "preconditions.py"))
+connection.close()
+print('ok')
+"""
+        for python, (code, out, err) in run_kit(PRECONDITIONS, kit, recipe, check):
+            with self.subTest(python=python):
+                self.assertEqual((code, out, err.decode("utf-8")), (0, b"ok\n", ""))
+
+
+class TheReadmeOnArticle7ShowsWhatTheRunShows(unittest.TestCase):
+    """README.md stays true for article 7's reader: its headline lines are the console's, its
+    counts are the driver's, its table holds results.json's figures, its walk-through runs as
+    printed, and its kit row lists what execute() and change() need."""
+
+    # The article 7 table: each scenario's figures, as paths into results.json, in the order its
+    # "ours" cell gives them.
+    FIGURES = {
+        "unsafe_check_then_act": [("after_go", "quantities", "A"), ("after_go", "quantities", "B"),
+                                  ("after_go", "effects")],
+        "safe_stale_rejected": [("after_go", "status"), ("after_go", "quantities", "A"),
+                                ("after_go", "quantities", "B"), ("after_go", "effects")],
+        "lost_ack_replay": [("after_first", "status"), ("after_retry", "status"),
+                            ("after_retry", "effects")],
+        "replan_new_id": [("after_stale", "status"), ("after_same_id", "status"),
+                          ("after_new_id", "status")],
+        "aba_revision": [("after_execute", "quantities", "A"), ("after_execute", "revisions", "A"),
+                         ("after_execute", "status")],
+        "crash_points": [(f"{boundary}.{stage}", key) for boundary in pre.EXIT_CODES for stage, key
+                         in (("after_crash", "exit_code"), ("after_retry", "status"))],
+        "stale_rejection_durable": [("after_retry", "status"), ("after_retry", "stored_status"),
+                                    ("after_retry", "effects")],
+        "trigger_faults": [("receipt_insert_fault", "quantities", "A"),
+                           ("receipt_insert_fault", "quantities", "B"),
+                           ("receipt_insert_fault", "effects")],
+        "concurrent_distinct_ops": [("after_race", "statuses", "applied"),
+                                    ("after_race", "statuses", "stale"),
+                                    ("after_race", "effects")],
+        "concurrent_same_op": [("after_race", "statuses", "applied"),
+                               ("after_race", "statuses", "replayed")],
+        "undeclared_dependency": [("after_execute", "status"),
+                                  ("after_execute", "quantities", "C")],
+    }
+
+    def test_its_headline_lines_are_the_consoles_within_the_first_60_lines(self):
+        for run in run_experiment.run_all(["unsafe_check_then_act", "safe_stale_rejected"]):
+            self.assertEqual(run.failures, [])
+            self.assertIn(run_experiment.console_line(run), readme().splitlines()[:60])
+
+    def test_the_counts_it_gives_are_the_drivers(self):
+        groups, cells = len(article7.ARTICLE_7), len(article7.MATRIX)
+        for said in (f"第七篇 {groups + cells}（{groups} 组 + {cells} 格）",
+                     f"article 7's {groups + cells} ({groups} groups + {cells} cells)"):
+            self.assertIn(said, readme(), f"README.md does not say {said!r}")
+
+    def test_the_scenario_table_gives_results_jsons_figures(self):
+        rows = {re.match(r"`(\w+)`", cells[0]).group(1): cells[2]
+                for cells in readme_table("| `unsafe_check_then_act`")}
+        self.assertEqual(list(rows), article7.ARTICLE_7)
+        seven = article7.committed_results()["article_7"]
+        for name, cell in rows.items():
+            values = [functools.reduce(lambda value, key: value[key], path, seven[name])
+                      for path in self.FIGURES[name]]
+            # The values in order, and no other number.
+            with self.subTest(name):
+                self.assertTrue(holds_figures(cell, values), f"{cell!r} does not give {values!r}")
+
+    def test_the_walk_through_runs_as_printed_in_the_download_and_shows_what_it_says(self):
+        [block] = [block for block in readme_blocks("sh")
+                   if "python3 preconditions.py init" in block]
+        self.assertGreaterEqual(len([line for line in block.splitlines()
+                                     if line.startswith("python3")]), 10)
+        code, out, unseen = walk_through(block, DOWNLOAD_7, SAME_FLAGS)
+        # Each output where the reader is told to look, in the block's order.
+        self.assertIsNone(unseen, out)
+        self.assertEqual(code, 0, out)
+        self.assertNotIn("Traceback", out)
+
+    def test_the_kit_row_lists_the_closure_of_execute_and_change_for_aba(self):
+        [row] = [cells(line) for line in readme().splitlines()
+                 if line.startswith("| `preconditions.execute` + `change` |")]
+        self.assertEqual(set(re.findall(r"`([^`]+)`", row[1])) | {"execute", "change"},
+                         set(KIT) | {"change"})
+        # change() needs nothing that execute() does not: the kit serves ABA as it is.
+        self.assertLessEqual(closure(PRECONDITIONS, ["change"]), set(KIT) | {"change"})
+
+
+# === both articles: the twins, the public names, README.md, the driver, the downloads ===
+
+class TheTwinsAreIdentical(unittest.TestCase):
+    """What the two articles' files share is written twice, so that each download runs alone:
+    the definitions preconditions.py shares with reliability.py, and the helpers marked
+    "# twin: ..." in the two test files, are identical."""
+
+    def test_the_twin_definitions_are_identical_in_reliability_py(self):
+        mine, theirs = article7.definitions(PRECONDITIONS), article7.definitions(RELIABILITY)
+        for name in ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open",
+                     "_check_kind", "_check_file", "_create", "wal_reset_bug", "_text",
+                     "_json_argument", "_no_repeats"]:
+            with self.subTest(name):
+                self.assertIn(name, theirs)
+                self.assertEqual(mine[name][1], theirs[name][1])
+
+    def test_the_helpers_marked_twin_are_identical_in_both_article_test_files(self):
+        one = twins(os.path.join(ROOT, "test_reliability.py"), "test_preconditions.py")
+        seven = twins(os.path.join(ROOT, "test_preconditions.py"), "test_reliability.py")
+        self.assertEqual(sorted(one), sorted(seven))
+        for name in one:
+            with self.subTest(name):
+                self.assertEqual(one[name], seven[name])
+        # A function both files define is a twin, or differs on purpose: each makes its own
+        # article's template.
+        functions = [{name for name, (node, _) in article7.definitions(os.path.join(ROOT, path))
+                      .items() if isinstance(node, ast.FunctionDef)}
+                     for path in ("test_reliability.py", "test_preconditions.py")]
+        self.assertEqual((functions[0] & functions[1]) - set(one), {"setUpModule"})
+
+
+class TheReadmeListsThePublicNames(unittest.TestCase):
+    """README.md lists reliability.__all__ and preconditions.__all__, each on one line; neither
+    may go stale."""
+
+    def test_the_readme_lists_exactly_reliability_all(self):
+        lines = [line for line in readme().splitlines()
+                 if line.startswith("`reliability.__all__`:")]
+        self.assertTrue(lines, "README.md has no line starting with `reliability.__all__`:")
+        for line in lines:
+            listed = re.findall(r"`([^`]+)`", line.split(":", 1)[1])
+            self.assertEqual(sorted(listed), sorted(reliability.__all__))
+        self.assertEqual(len(reliability.__all__), len(set(reliability.__all__)))
+        self.assertTrue(all(hasattr(reliability, name) for name in reliability.__all__))
+
+    def test_all_equals_the_readmes_public_list(self):
+        lines = [line for line in readme().splitlines()
+                 if line.startswith("`preconditions.__all__`:")]
+        self.assertEqual(len(lines), 1,
+                         "README.md needs exactly one line starting with `preconditions.__all__`:")
+        listed = re.findall(r"`([^`]+)`", lines[0].split(":", 1)[1])
+        self.assertEqual(set(pre.__all__), set(listed))
+
+
+class TheReadmeKeepsItsLimitsAndItsMap(unittest.TestCase):
+    """README.md as a whole: one page a reader finishes, with the two commands CI runs, and a map
+    from each article's sections to code, scenarios and tests that exist."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = readme()
+        cls.lines = cls.text.splitlines()
+
+    def test_it_keeps_its_limits_and_gives_the_two_commands_ci_runs(self):
+        # One page a reader finishes: the design card's 300 lines, the hook's 16,000 characters.
+        self.assertLessEqual(len(self.lines), 300)
+        self.assertLessEqual(len(self.text), 16000)
+        prose = re.sub(r"^```.*?^```", "", self.text, flags=re.S | re.M)
+        units = [unit.strip() for paragraph in re.split(r"\n\s*\n", prose)
+                 for unit in re.split(r"\n(?=\s*(?:[-*]|\d+\.)\s)", paragraph) if unit.strip()]
+        self.assertLessEqual(max(len(unit) for unit in units if not unit.startswith("|")), 600)
+        self.assertIn("python3 -m unittest\npython3 run_experiment.py --check\n", self.text)
+        ci = os.path.join(ROOT, ".ci", "run")
+        # Not in an article's five-file download.
+        if os.path.exists(ci):
+            with open(ci, encoding="utf-8") as handle:
+                self.assertIn('"$real" -m unittest && "$real" run_experiment.py --check',
+                              handle.read())
+
+    def test_the_map_names_only_code_scenarios_and_tests_that_exist(self):
+        rows = readme_table("| 章节")
+        self.assertTrue(rows)
+        for section, code, scenario, test in rows:
+            article_7 = section.startswith("七")
+            module, tests = (("preconditions.py", "test_preconditions.py") if article_7
+                             else ("reliability.py", "test_reliability.py"))
+            # The other article's five-file download.
+            if not os.path.exists(os.path.join(ROOT, module)):
+                continue
+            for name in re.findall(r"`([^`]+)`", code):
+                self.assertIn(name, article7.definitions(os.path.join(ROOT, module)), section)
+            for name in re.findall(r"`([^`]+)`", scenario):
+                self.assertIn(name, run_experiment.SCENARIOS, section)
+                self.assertEqual(run_experiment.SCENARIOS[name][0].startswith("article_7"),
+                                 article_7, section)
+            if os.path.exists(os.path.join(ROOT, tests)):
+                for name in re.findall(r"`([^`]+)`", test):
+                    self.assertIn(name, article7.definitions(os.path.join(ROOT, tests)), section)
+
+
+class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
+    """run_experiment.py itself: exit codes, Ctrl-C, a dead worker, a batch that fails, the
+    barrier, --check's comparison, a failed invariant or integrity check."""
+
+    @unittest.skipUnless(os.path.isdir("/proc/self/fd"), "the check reads /proc/self/fd")
+    def test_fork_start_refuses_to_fork_while_this_process_holds_a_database_the_child_opens(self):
+        with article1.workspace() as ws:
+            # An open connection, as a test or the driver might hold.
+            ws.receiver.execute("SELECT 1")
+            for argv in (["serve", "receive", ws.path("receiver")], ["snapshot", ws.root]):
+                with self.subTest(argv=argv), \
+                        self.assertRaisesRegex(RuntimeError, r"receiver\.db(-wal|-shm)? open"):
+                    run_experiment.fork_start(reliability, argv)
+            ws.close()
+            # Another name for the same inode: SQLite's lock records are per inode.  connect()
+            # refuses a file with two names; a plain connection through the other one is still
+            # held.
+            alias = os.path.join(ws.root, "alias")
+            os.link(ws.path("receiver"), alias)
+            with contextlib.closing(sqlite3.connect(alias)), \
+                    self.assertRaisesRegex(RuntimeError, "receiver.db open"):
+                run_experiment.fork_start(reliability, ["serve", "receive", ws.path("receiver")])
+            os.remove(alias)
+            # Not a database: no reason to refuse.
+            with open(os.path.join(ws.root, "notes.txt"), "w"):
+                self.assertEqual(article1.cli("snapshot", ws.root)[0], 0)
+            # Not even a path: the child, not the guard, says so.
+            self.assertEqual(article1.cli("snapshot", "\ud800")[0], 1)
+
+    def test_a_forked_child_exits_as_sys_exit_of_main_would(self):
+        def returns_or_raises(outcome):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        cases = [(None, 0, ""), (3, 3, ""), ("text", 1, "text\n"), (SystemExit(2), 2, ""),
+                 (SystemExit("bye"), 1, "bye\n"), (ValueError("boom"), 1, "ValueError: boom\n")]
+        for outcome, code, tail in cases:
+            with self.subTest(outcome=outcome), tempfile.TemporaryFile() as stderr:
+                module = article1.stand_in(lambda argv: returns_or_raises(outcome))
+                child = run_experiment.fork_start(module, [], stderr=stderr.fileno())
+                child.communicate(b"", timeout=WATCHDOG)
+                stderr.seek(0)
+                self.assertEqual(child.returncode, code)
+                self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
+
+    def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
+        with tempfile.TemporaryDirectory() as directory:
+            for argv in (["--output", directory],
+                         ["--output", os.path.join(directory, "missing", "out.json")],
+                         ["--check", os.path.join(directory, "missing.json")]):
+                with self.subTest(argv=argv):
+                    code, out, err = run_main(*argv)
+                    self.assertEqual((code, out, len(err.splitlines())), (2, "", 1))
+                    self.assertIn("run_experiment.py: error:", err)
+
+    @unittest.skipUnless(os.path.isdir("/proc"), "a FIFO holds the driver still (Linux /proc)")
+    def test_ctrl_c_exits_130_with_one_line_and_no_traceback(self):
+        # A background job: its children ignore SIGINT too.
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            self.skipTest("SIGINT is ignored in this process, so no child of it can be"
+                          " interrupted")
+        # --check opens a FIFO that nobody writes: the driver waits there until the interrupt.
+        with tempfile.TemporaryDirectory() as directory:
+            fifo = os.path.join(directory, "results.json")
+            os.mkfifo(fifo)
+            driver = os.path.join(ROOT, "run_experiment.py")
+            child = subprocess.Popen([sys.executable, "-S", driver, "--check", fifo],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            writer = None
+            try:
+                deadline = time.monotonic() + WATCHDOG
+                # Opened for writing once the driver has it open for reading.
+                while writer is None:
+                    try:
+                        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                    except OSError as error:
+                        # ENXIO: no reader yet.
+                        self.assertEqual(error.errno, errno.ENXIO)
+                        self.assertLess(time.monotonic(), deadline,
+                                        "the driver never opened the FIFO")
+                        time.sleep(0.005)
+                # Interrupted once it sleeps in read() with the FIFO open: the read returns EINTR
+                # and the interrupt is raised.  One that landed between open() and read() would
+                # wait, unseen by Python's C code, until the read returned.
+                while not sleeps_reading(child.pid, fifo):
+                    self.assertLess(time.monotonic(), deadline, "the driver never read the FIFO")
+                    time.sleep(0.005)
+                child.send_signal(signal.SIGINT)
+                try:
+                    out, err = child.communicate(timeout=WATCHDOG)
+                except subprocess.TimeoutExpired:
+                    # What the driver did with the signal: blocked, ignored or pending.
+                    with open(f"/proc/{child.pid}/status", encoding="utf-8") as status:
+                        masks = [line.strip() for line in status if line.startswith("Sig")]
+                    raise AssertionError(f"the driver outlived its interrupt: {masks}") from None
+            finally:
+                if writer is not None:
+                    os.close(writer)
+                if child.returncode is None:
+                    child.kill()
+                    child.communicate()
+            self.assertEqual((child.returncode, out, err.decode("utf-8")),
+                             (130, b"", "run_experiment.py: interrupted\n"))
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
+    def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
+        # The worker process itself, not a child: it reports nothing.
+        def kills_its_worker(run):
+            os._exit(9)
+
+        def observes(run):
+            run.stages["seen"] = {"pid_differs": os.getpid() != parent}
+        parent = os.getpid()
+        added = {"kills_its_worker": kills_its_worker, "observes": observes,
+                 "observes_too": observes}
+        for name, function in added.items():
+            run_experiment.SCENARIOS[name] = ("article_7", name, function)
+        try:
+            runs = run_experiment.run_all(list(added), jobs=2)
+        finally:
+            for name in added:
+                del run_experiment.SCENARIOS[name]
+        died = "its worker died or failed before reporting (a traceback, if any, is above)"
+        self.assertEqual({run.name: (run.failures, run.stages) for run in runs}, {
+            "kills_its_worker": ([died], {}), "observes": ([], {"seen": {"pid_differs": True}}),
+            "observes_too": ([], {"seen": {"pid_differs": True}})})
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
+    def test_a_batch_that_fails_half_way_kills_and_reaps_every_child_before_its_folder_goes(self):
+        # Real children that would wait for ever (serve --wait with no request), then a failure:
+        # a child at the watchdog, or a start that fails half way (the only simulated part: fork
+        # refusing a fourth child).
+        real, started = run_experiment.fork_start, []
+
+        def fourth_fails(*args, **kwargs):
+            if len(started) == 3:
+                raise OSError("no more processes")
+            started.append(real(*args, **kwargs))
+            return started[-1]
+        with article1.workspace() as ws:
+            ws.close()
+            run = run_experiment.Run("batch", ws.root)
+            command = ("reliability.py", "serve", "receive", ws.path("receiver"), "--wait")
+            with self.assertRaises(RuntimeError), \
+                    run_experiment.batch(run, [command] * 8) as children:
+                raise RuntimeError("one child hung at the watchdog")
+            with mock.patch.object(run_experiment, "fork_start", fourth_fails), \
+                    self.assertRaises(OSError):
+                with run_experiment.batch(run, [command] * 8):
+                    pass
+            for child in children + started:
+                self.assertEqual(child.returncode, -signal.SIGKILL)
+                with self.assertRaises(ChildProcessError, msg="reaped: no zombie either"):
+                    os.waitpid(child.pid, os.WNOHANG)
+            self.assertEqual((len(children), len(started)), (8, 3))
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
+    def test_a_racer_that_never_reaches_the_barrier_fails_the_race(self):
+        request = json.dumps({"caller": "agent", "key": "k1", "payload": article1.PAYLOAD,
+                              "issued_at": 0, "now": 0})
+        with article1.workspace() as ws:
+            ws.close()
+            run = run_experiment.Run("race", ws.root)
+            serve = ("reliability.py", "serve", "receive", ws.path("receiver"))
+            with run_experiment.batch(run, [serve + ("--wait",)] * 2) as children:
+                self.assertEqual(run_experiment.race(children, request)[0], 2)
+            with self.assertRaisesRegex(RuntimeError, "did not all reach the barrier"):
+                # One answers at once.
+                with run_experiment.batch(run, [serve + ("--wait",), serve]) as children:
+                    run_experiment.race(children, request)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the tests' racers are forked")
+    def test_the_tests_race_fails_at_once_when_a_racer_never_comes_to_its_barrier(self):
+        def body(wait):
+            # The first racer to number itself gives up before the barrier.
+            if article1.numbered(folder, "racer")[0] == 0:
+                raise RuntimeError("gave up before the barrier")
+            wait()
+            return "through"
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+                with self.assertRaisesRegex(AssertionError, "ended while the others waited"):
+                    article1.race(body, 3)
+
+    def test_check_exits_1_and_names_each_difference_by_value_json_type_and_key(self):
+        with tempfile.TemporaryDirectory() as directory:
+            for label, tamper in (("changed", lambda stage: stage.update(receiver_tickets=2)),
+                                  ("missing", lambda stage: stage.pop("receiver_tickets")),
+                                  ("extra", lambda stage: stage.update(surplus=0))):
+                with self.subTest(label):
+                    expected = json.loads(json.dumps(article1.RESULTS))
+                    tamper(expected["article_1"]["idempotent_lost_ack"]["after_recovery"])
+                    path = os.path.join(directory, label + ".json")
+                    with open(path, "w", encoding="utf-8") as handle:
+                        json.dump(expected, handle)
+                    code, out, _ = run_main("--check", path, "--only", "idempotent_lost_ack")
+                    self.assertEqual(code, 1, out)
+                    key = "surplus" if label == "extra" else "receiver_tickets"
+                    self.assertIn("differs: article_1.idempotent_lost_ack.after_recovery."
+                                  + key, out)
+                    self.assertIn("0/1 scenarios match", out)
+        differences = run_experiment.differences
+        self.assertEqual(differences({"x": {"a": 1, "b": 2}}, {"x": {"a": 1}}),
+                         [("x.b", 2, "<absent>")])
+        self.assertEqual(differences({"x": {"a": 1}}, {"x": {"a": 1, "b": 2}}),
+                         [("x.b", "<absent>", 2)])
+        # JSON types are compared, so 1 is not true.
+        self.assertEqual(differences({"a": 0, "b": 2, "c": [1]},
+                                     {"a": False, "b": 2.0, "c": [True]}),
+                         [("a", 0, False), ("b", 2, 2.0), ("c", [1], [True])])
+        self.assertEqual(differences({"a": {"b": 1}}, {"a": {"b": 1}}), [])
+        # A scenario in results.json that the driver no longer runs is compared, so it differs.
+        ghost = dict(article1.RESULTS, article_1=dict(article1.RESULTS["article_1"],
+                                                      ghost={"seen": {"tickets": 1}}))
+        self.assertIn("ghost", run_experiment.compared(ghost)["article_1"])
+        self.assertEqual(set(run_experiment.compared(ghost, ["ghost"])), {"article_1"})
+        self.assertNotIn("ghost",
+                         run_experiment.compared(ghost, ["idempotent_lost_ack"])["article_1"])
+
+    def test_a_failed_invariant_fails_the_run_and_is_counted(self):
+        def breaks_its_invariant(run):
+            run.expect("the figure", 1, 2)
+        run_experiment.SCENARIOS["breaks_its_invariant"] = ("article_1", "a scenario that fails",
+                                                            breaks_its_invariant)
+        try:
+            code, out, _ = run_main("--only", "breaks_its_invariant")
+        finally:
+            del run_experiment.SCENARIOS["breaks_its_invariant"]
+        self.assertEqual(code, 1)
+        self.assertIn("invariant failed: the figure: expected 2, observed 1", out)
+        self.assertIn("0/1 scenarios hold their invariants", out)
+
+    def test_the_integrity_check_after_each_scenario_can_fail(self):
+        with tempfile.TemporaryDirectory() as directory:
+            # A receipt whose ticket does not exist.
+            with article1.raw(os.path.join(directory, "keys.db")) as broken:
+                for statement in reliability.SCHEMAS[reliability.RECEIVER]:
+                    broken.execute(statement)
+                broken.execute("INSERT INTO receipts VALUES ('a', 'k', 'd', 99, 0)")
+            pages = os.path.join(directory, "pages.db")
+            with article1.raw(pages) as broken:
+                broken.execute("CREATE TABLE t (x TEXT)")
+                broken.execute("CREATE INDEX t_x ON t (x)")
+                broken.executemany("INSERT INTO t VALUES (?)",
+                                   [(f"row {i}" * 20,) for i in range(200)])
+            # The last page overwritten: SQLite's own check must see it.
+            with open(pages, "r+b") as handle:
+                handle.seek(-4096, os.SEEK_END)
+                handle.write(article1.GARBAGE[:4096])
+            run = run_experiment.Run("integrity", directory)
+            run_experiment.check_integrity(run)
+        self.assertEqual(sorted(name for name, verdict in run.integrity.items()
+                                if verdict != "ok"), ["keys.db", "pages.db"])
+        self.assertEqual(len(run.failures), 2)
+
+
+class TheFiveFilesRunAlone(unittest.TestCase):
+    """Each article's download, its five files alone in an empty folder: the driver's --check
+    reproduces results.json on one scenario of each group, and the tests import without the
+    other article's module."""
+
+    def test_the_five_downloaded_files_alone_reproduce_results_json_and_import_the_tests(self):
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        with tempfile.TemporaryDirectory() as directory:
+            for name in DOWNLOAD_1:
+                shutil.copyfile(os.path.join(ROOT, name), os.path.join(directory, name))
+            # The article's command, on one scenario of each group: the same imports,
+            # registration and comparison as the whole run (which the README's --check already
+            # does), at a fraction of the time; meanwhile another process imports the tests and
+            # counts what the driver registered.
+            only = ["idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
+            commands = [["run_experiment.py", "--check", "results.json", "--output",
+                         "reproduced.json", "--only", *only],
+                        ["-c", "import json, pathlib, sys, test_reliability, run_experiment as r;"
+                               " text = pathlib.Path('results.json').read_text('utf-8');"
+                               " print(len(r.SCENARIOS), 'preconditions' in sys.modules,"
+                               " sorted(n for group in r.compared(json.loads(text)).values()"
+                               " for n in group) == sorted(r.SCENARIOS))"]]
+            (code, check, _), imported = article1.run_together(
+                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
+                cwd=directory, env=env)
+            self.assertEqual(code, 0, check.decode("utf-8"))
+            # The cell brings in after_claim, the article scenario that is that cell.
+            self.assertIn(b"4/4 scenarios match results.json", check)
+            with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
+                self.assertEqual(set(json.load(handle)),
+                                 {"article_1", "open_ends", "crash_matrix"})
+            # Article 1's scenarios, those beyond it and its crash-matrix cells are registered,
+            # and exactly these are what a whole --check compares.
+            registered = (len(article1.RESULTS["article_1"]) + len(article1.RESULTS["open_ends"])
+                          + len(article1.MATRIX))
+            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
+            self.assertEqual(sorted(os.listdir(directory)),
+                             sorted(DOWNLOAD_1 + ("reproduced.json",)))
+
+    def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
+        with tempfile.TemporaryDirectory() as folder:
+            for name in DOWNLOAD_7:
+                shutil.copyfile(os.path.join(ROOT, name), os.path.join(folder, name))
+            # The article's command, on one scenario of each group: the same imports, registration
+            # and comparison as the whole run (which the README's --check already does), at a
+            # fraction of the time; meanwhile another process imports the tests and counts what
+            # the driver registered, and whether a whole --check compares exactly those.  Both run
+            # with this run's interpreter flags (-X dev, -W error), without site-packages (-S).
+            imports = "\n".join([
+                "import json, sys, test_preconditions, run_experiment as r",
+                "with open('results.json', encoding='utf-8') as handle:",
+                "    compared = r.compared(json.load(handle))",
+                "whole = sorted(n for group in compared.values() for n in group)",
+                "print(len(r.SCENARIOS), 'reliability' in sys.modules,"
+                " whole == sorted(r.SCENARIOS))"])
+            commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected",
+                         "preconditions/after_commit"], ["-c", imports]]
+            (code, check, _), imported = article7.run_together(
+                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
+                cwd=folder, env=article7.without_python_variables(PYTHONDONTWRITEBYTECODE="1"))
+            self.assertEqual(code, 0, check.decode("utf-8"))
+            self.assertIn(b"2/2 scenarios match results.json", check)
+            registered = len(article7.ARTICLE_7) + len(article7.MATRIX)
+            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
+            self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD_7))
+
+
+# === machinery: paths, the driver in this process, the kits, the twins, README.md ===
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RELIABILITY = os.path.join(ROOT, "reliability.py")
+PRECONDITIONS = os.path.join(ROOT, "preconditions.py")
+# Seconds: only ends a hung child, never asserted as a measurement (the article tests' twin).
+WATCHDOG = article1.WATCHDOG
+# This run's interpreter flags (-X dev, -W error), for the fresh interpreters that run the driver.
+SAME_FLAGS = (["-X", "dev"] if sys.flags.dev_mode else []) + [f"-W{w}" for w in sys.warnoptions]
+# Each article's download: these five files alone run it.
+DOWNLOAD_1 = ("reliability.py", "run_experiment.py", "results.json", "test_reliability.py",
+              "README.md")
+DOWNLOAD_7 = ("preconditions.py", "run_experiment.py", "results.json", "test_preconditions.py",
+              "README.md")
+# Article 7's execute() kit, and the imports a kit module starts with.
+KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks",
+       "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
+       "MAX_AMOUNT", "MAX_INT64", "MAX_TICK", "_dumps"]
+KIT_IMPORTS = ("import hashlib\nimport json\nimport os\nimport sqlite3\n"
+               "from contextlib import contextmanager")
+
+
+def setUpModule():
+    # The driver's tests work in article 1's workspaces, copies of the template its module
+    # fixture makes.
+    article1.setUpModule()
+
+
+def tearDownModule():
+    article1.tearDownModule()
+
+
+# --- the driver: its main() in this process, and a child of it watched through /proc
+
+def run_main(*argv):
+    """run_experiment.main(argv) in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run_experiment.main(list(argv))
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def sleeps_reading(pid, path):
+    """Whether process ``pid`` holds ``path`` open and sleeps (state S), as in a read that waits
+    for a writer (Linux /proc)."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        holds = any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.path.realpath(path)
+                    for fd in os.listdir(f"/proc/{pid}/fd"))
+        return holds and state == "S"
+    return False
+
+
+# --- the copy kits: a module's definitions, what each needs, a kit run alone
+
+def needs(path, node):
+    """The module-level definitions of the module at ``path`` that ``node``, one of its
+    definitions, refers to (names it binds itself excluded)."""
+    names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
+    loaded = {n.id for n in names if isinstance(n.ctx, ast.Load)}
+    bound = {n.id for n in names if not isinstance(n.ctx, ast.Load)}
+    bound |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    bound -= {name for n in ast.walk(node) if isinstance(n, ast.Global) for name in n.names}
+    return (loaded - bound) & set(article7.definitions(path))
+
+
+def closure(path, roots):
+    """The names of ``roots`` and of every definition they need in the module at ``path``,
+    transitively: a kit."""
+    defined, found, todo = article7.definitions(path), set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo.extend(needs(path, defined[name][0]) - found)
+    return found
+
+
+def kit_lines(path, roots):
+    """The lines a copier pastes for the kit of ``roots`` in the module at ``path``."""
+    defined = article7.definitions(path)
+    return sum(len(defined[name][1].splitlines()) for name in closure(path, roots))
+
+
+def run_kit(path, names, recipe, check):
+    """The definitions ``names`` of the module at ``path`` written to kit.py in a fresh folder,
+    in source order after KIT_IMPORTS; then ``recipe`` (README.md's open_database()) and
+    ``check`` run in a fresh interpreter, this one and a 3.12+ where found, each in a
+    ``folder`` of its own.  [(interpreter, (exit code, stdout, stderr))]."""
+    defined = article7.definitions(path)
+    # Each definition once: SENDER, RECEIVER, EXTERNAL = ... binds three names.
+    kit = sorted({id(defined[name][0]): defined[name] for name in names}.values(),
+                 key=lambda definition: definition[0].lineno)
+    interpreters = [sys.executable] + [newer for newer in [newer_python()] if newer]
+    with tempfile.TemporaryDirectory() as directory:
+        with open(os.path.join(directory, "kit.py"), "w", encoding="utf-8") as handle:
+            handle.write("\n\n\n".join([KIT_IMPORTS] + [text for _, text in kit]) + "\n")
+        script = "\n".join([
+            "import os, sys", f"folder = {directory!r}", "sys.path.insert(0, folder)",
+            "import kit",
+            # Each interpreter its own databases: they run at the same time.
+            "folder = os.path.join(folder, sys.implementation.cache_tag)", "os.mkdir(folder)",
+            recipe, check])
+        return list(zip(interpreters, article1.run_together(
+            [[python, "-I", "-S", *SAME_FLAGS, "-c", script] for python in interpreters])))
+
+
+@functools.lru_cache(maxsize=None)
+def newer_python():
+    """A CPython 3.12 or newer when this one is older, so the kits meet 3.12's sqlite3 (its
+    ``autocommit`` setting) on every run: on PATH, or installed by pyenv though not selected.
+    Returns the interpreter itself (a pyenv shim resolved), or None when none is found."""
+    pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    # 3.12.10 sorts after 3.12.9.
+    numbers = lambda path: [int(n) for n in re.findall(r"\d+", path)]
+    for minor in range(20, 11, -1) if sys.version_info < (3, 12) else ():
+        installed = glob.glob(os.path.join(glob.escape(pyenv), "versions", f"3.{minor}.*", "bin",
+                                           f"python3.{minor}"))
+        tried = set()
+        for found in [shutil.which(f"python3.{minor}"), *sorted(installed, key=numbers,
+                                                                reverse=True)]:
+            # One interpreter under two names: probed once.
+            if not found or os.path.realpath(found) in tried:
+                continue
+            tried.add(os.path.realpath(found))
+            probe = "import sqlite3, sys; sqlite3.Connection.autocommit; print(sys.executable)"
+            done = subprocess.run([found, "-I", "-S", "-c", probe], capture_output=True,
+                                  timeout=WATCHDOG)
+            executable = done.stdout.decode("utf-8").strip()
+            if done.returncode == 0 and os.path.isabs(executable):
+                return executable
+    return None
+
+
+# --- the twins: the helpers both article test files keep, written twice so each runs alone
+
+def twins(path, other):
+    """{name: source} of each module-level definition in the file at ``path`` that the line
+    directly above marks "# twin: identical in ``other``"; a marker anywhere else, or naming
+    another file, fails."""
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    marker = f"# twin: identical in {other}"
+    markers = [number for number, line in enumerate(lines, 1)
+               if line.lstrip().startswith("# twin")]
+    for number in markers:
+        if lines[number - 1] != marker:
+            raise AssertionError(f"{path}:{number}: {lines[number - 1]!r}, not {marker!r}")
+    found, marked = {}, set()
+    for name, (node, text) in article7.definitions(path).items():
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        if first - 1 in markers:
+            found[name] = text
+            marked.add(first - 1)
+    if marked != set(markers):
+        raise AssertionError(f"{path}:{sorted(set(markers) - marked)}: no definition directly"
+                             " below")
+    return found
+
+
+# --- README.md: its blocks, its tables, its figures, its walk-throughs
+
+def readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def readme_blocks(language):
+    """The fenced code blocks of README.md in ``language`` (sh, sql, python), in order."""
+    return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", readme(), flags=re.S | re.M)
+
+
+def cells(line):
+    """A Markdown table row's cells, stripped."""
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def readme_table(first):
+    """The rows (lists of cells) of the README.md table from the line that starts with ``first``;
+    where that line is a header, it and its --- line are left out."""
+    lines = readme().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    if lines[start + 1:start + 2] and lines[start + 1].startswith("| ---"):
+        start += 2
+    return [cells(line) for line in itertools.takewhile(lambda line: line.startswith("|"),
+                                                         lines[start:])]
+
+
+def in_order(text, fragments):
+    """The first of ``fragments`` that ``text`` does not hold after the one before it; None if
+    none."""
+    position = 0
+    for fragment in fragments:
+        found = text.find(fragment, position)
+        if found < 0:
+            return fragment
+        position = found + len(fragment)
+    return None
+
+
+def holds_figures(cell, values):
+    """A README cell gives ``values``: its numbers are exactly the ints, and the strings are in
+    order."""
+    numbers = [str(value) for value in values if isinstance(value, int)]
+    strings = [value for value in values if isinstance(value, str)]
+    return re.findall(r"\d+", cell) == numbers and in_order(cell, strings) is None
+
+
+def walk_through(block, files, flags=()):
+    """Run a README walk-through as printed: bash in a fresh folder holding a copy of ``files``
+    (also its temporary folder), where ``python3`` is this interpreter (with ``flags``).
+    Returns (exit code, its stdout and stderr interleaved as text, the first output its "# → "
+    lines say the reader should see that did not come, in their order)."""
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as bin_dir:
+        for name in files:
+            shutil.copyfile(os.path.join(ROOT, name), os.path.join(folder, name))
+        wrapper = os.path.join(bin_dir, "python3")
+        # -S: the download needs no site-packages, and a host's .pth hooks cost every command
+        # time.
+        with open(wrapper, "w", encoding="utf-8") as handle:
+            python = " ".join(map(shlex.quote, [sys.executable, "-S", *flags]))
+            handle.write(f'#!/bin/sh\nexec {python} "$@"\n')
+        os.chmod(wrapper, 0o755)
+        # TMPDIR: the block's `mktemp -d` folders land in ``folder``, which goes with it.
+        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                   PYTHONDONTWRITEBYTECODE="1", TMPDIR=folder)
+        done = subprocess.run(["bash"], input=block.encode("utf-8"), cwd=folder, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=WATCHDOG * 4)
+    out = done.stdout.decode("utf-8")
+    return done.returncode, out, in_order(out, [line[len("# → "):] for line in block.splitlines()
+                                                 if line.startswith("# → ")])
+
+
+# Keep last: classes defined below it would not run under `python3 beyond/test_companion.py`.
+if __name__ == "__main__":
+    unittest.main()
