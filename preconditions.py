@@ -336,7 +336,8 @@ def _open(path, application_ids):
     """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
     keys on, autocommit (transaction() begins).  A missing file is never created (mode=rw).
     Whatever SQLite refuses, and another kind of file or schema version, a second name or a
-    file this process may not write, raise before anything is written, naming the path."""
+    file this process may not write, raise before anything is written, naming the path.  A
+    -wal that is not this file's (copied in beside it) is SQLite's to apply, whatever its kind."""
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
         "#", "%23") + "?mode=rw"

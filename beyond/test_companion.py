@@ -59,19 +59,20 @@ class TheKitsRunAlone(unittest.TestCase):
             "CorruptRecord", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
             "MAX_TICK", "_dumps"})
         self.assertEqual(closure(RELIABILITY, ["enqueue", "claim", "acknowledge"]), {
-            "enqueue", "claim", "_oldest_due", "acknowledge", "check_response", "transaction",
-            "canonical", "_least_bytes", "check_identity", "check_ticks", "crash_point",
-            "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS", "MAX_ATTEMPTS",
-            "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_TICK", "_dumps"})
-        # What a copier pastes, in lines: it may not grow unnoticed.
-        self.assertLessEqual(kit_lines(RELIABILITY, ["receive"]), 119)
-        self.assertLessEqual(kit_lines(RELIABILITY, ["claim", "acknowledge"]), 158)
+            "enqueue", "claim", "_sendable", "_oldest_due", "acknowledge", "check_response",
+            "transaction", "canonical", "_least_bytes", "check_identity", "check_ticks",
+            "crash_point", "CRASH_AT", "CRASH_EXIT", "Conflict", "MODES", "LEASE_TICKS",
+            "MAX_ATTEMPTS", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
+            "MAX_TICK", "_dumps"})
+        self.assertEqual(closure(RELIABILITY, ["connect", "init"]), {
+            "connect", "_open", "_check_kind", "_check_file", "init", "_create", "transaction",
+            "KINDS", "SENDER", "RECEIVER", "EXTERNAL", "SCHEMAS", "SCHEMA_VERSION",
+            "BUSY_TIMEOUT"})
 
     def test_the_receive_kit_runs_the_articles_replay_alone(self):
         self.assert_runs_alone(["receive"], """
-connection = open_database(os.path.join(folder, "receiver.db"))
-for statement in SCHEMAS["receiver.db"]:
-    connection.execute(statement)
+connection.close()
+connection = kit.connect(os.path.join("data", "receiver.db"))
 first = kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=0)
 assert first["ticket_id"] == 1, first
 # The replay.
@@ -87,9 +88,6 @@ connection.close()
 
     def test_the_outbox_kit_runs_the_articles_lease_and_stale_acknowledgement_alone(self):
         self.assert_runs_alone(["enqueue", "claim", "acknowledge"], """
-connection = open_database(os.path.join(folder, "sender.db"))
-for statement in SCHEMAS["sender.db"]:
-    connection.execute(statement)
 assert kit.enqueue(connection, "agent", "k1", PAYLOAD, now=0) == "accepted"
 assert kit.claim(connection, 0)["attempt"] == 1
 # The lease runs to tick 10.
@@ -104,21 +102,20 @@ connection.close()
 """)
 
     def assert_runs_alone(self, roots, check):
-        """The kit of ``roots`` in a module of its own, run in fresh interpreters as a copier
-        would: connection opened as README.md's open_database() does, tables made from
-        SCHEMAS' statements, then ``check``."""
+        """The kit of ``roots`` with the connection kit (connect, init) in a module of its own,
+        run in fresh interpreters as a copier would: README.md's python block as printed, in
+        the script's own folder, then ``check``."""
         recipe = readme_blocks("python")
-        self.assertEqual(len(recipe), 1, "README.md has one python block: how to open the"
-                                         " kits' connection")
-        # Around ``check``: the script's own SCHEMAS and payloads; the kit's classes are its own,
-        # and no reliability.py was there to import.
+        self.assertEqual(len(recipe), 1, "README.md has one python block: how a kit opens its"
+                                         " connection")
+        # Around ``check``: the script's own payloads; the kit's classes are its own, and no
+        # reliability.py was there to import.
         check = "\n".join([
-            f"SCHEMAS = {reliability.SCHEMAS!r}",
             f"PAYLOAD, OTHER_PAYLOAD = {article1.PAYLOAD!r}, {article1.OTHER_PAYLOAD!r}", check,
             "assert kit.Conflict.__module__ == 'kit'",
             "assert not os.path.exists(os.path.join(folder, 'reliability.py'))",
             "print('ok', sys.version_info >= (3, 12))"])
-        kit = closure(RELIABILITY, roots)
+        kit = closure(RELIABILITY, roots + ["connect", "init"])
         for python, (code, out, err) in run_kit(RELIABILITY, kit, recipe[0], check):
             with self.subTest(python=python):
                 self.assertEqual((code, err.decode("utf-8")), (0, ""))
@@ -235,20 +232,14 @@ class TheReadmeOnArticle1ShowsWhatTheRunShows(unittest.TestCase):
         self.assertEqual(code, 0, out)
         self.assertNotIn("Traceback", out)
 
-    def test_each_kit_row_lists_its_closure_and_the_tables_name_what_schemas_needs(self):
+    def test_each_kit_row_lists_its_closure(self):
         rows = {row[0]: row for row in readme_table("| 要用的")}
-        for use in ("`reliability.receive`", "`reliability.enqueue` + `claim` + `acknowledge`"):
+        for use in ("`reliability.receive`", "`reliability.enqueue` + `claim` + `acknowledge`",
+                    "`reliability.connect` + `init`"):
             with self.subTest(use):
                 roots = re.findall(r"`(?:reliability\.)?([^`]+)`", use)
                 self.assertEqual(set(re.findall(r"`([^`]+)`", rows[use][1])) | set(roots),
                                  closure(RELIABILITY, roots))
-        # Both halves say what SCHEMAS needs besides itself.
-        for said in (r"`SCHEMAS`（它要 (.*?) 三个名字）", r"`SCHEMAS` \(it needs (.*?)\)"):
-            with self.subTest(said):
-                named = re.search(said, self.text)
-                self.assertTrue(named, said)
-                self.assertEqual(set(re.findall(r"`([^`]+)`", named.group(1))) | {"SCHEMAS"},
-                                 closure(RELIABILITY, ["SCHEMAS"]))
 
 
 # === 第七篇: preconditions.py's copy kit, and what README.md says of the article ===
@@ -260,30 +251,32 @@ class TheExecuteKitRunsAlone(unittest.TestCase):
     def test_the_kit_list_is_exactly_what_execute_needs(self):
         found, needed = article7.definitions(PRECONDITIONS), closure(PRECONDITIONS, ["execute"])
         self.assertEqual(needed, set(KIT))
+        self.assertEqual(closure(PRECONDITIONS, ["connect", "init"]), set(FILES_KIT))
+        needed |= set(FILES_KIT)
         with open(PRECONDITIONS, encoding="utf-8") as handle:
             body = ast.parse(handle.read()).body
         imported = {alias.asname or alias.name for node in body
                     if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
         used = {node.id for name in needed for node in ast.walk(found[name][0])
                 if isinstance(node, ast.Name) and node.id in imported}
-        self.assertLessEqual(used, {"hashlib", "json", "os", "sqlite3", "contextmanager"})
+        self.assertLessEqual(used, {"errno", "hashlib", "json", "os", "sqlite3", "stat",
+                                    "contextmanager"})
 
     def test_the_execute_kit_alone_runs_the_articles_scenario_on_the_readmes_connection(self):
-        # As a copier would: the kit in a fresh module, the connection opened as README.md's
-        # open_database() does, the tables from SCHEMA, in a fresh interpreter (and in Python
-        # 3.12+ too, where one is found).
+        # As a copier would: the kit and the connection kit in a fresh module, the database
+        # made by its init() and opened by its connect() as README.md's python block says, in
+        # a fresh interpreter (and in Python 3.12+ too, where one is found).
         found = article7.definitions(PRECONDITIONS)
         # In source order.
-        kit = [name for name in found if name in KIT]
-        self.assertEqual(sorted(kit), sorted(KIT))
-        self.assertLess(kit_lines(PRECONDITIONS, KIT), 150)
+        kit = [name for name in found if name in KIT + FILES_KIT]
+        self.assertEqual(sorted(kit), sorted(set(KIT + FILES_KIT)))
         [recipe] = readme_blocks("python")
+        self.assertIn('kit.init("q.db", {"A": 10, "B": 0})', recipe)
+        self.assertIn('kit.connect("q.db")', recipe)
         stale = {"status": "stale", "observed": {"A": 2, "B": 3}}
         check = f"""
-connection = open_database(os.path.join(folder, "t.db"))
-for statement in {pre.SCHEMA!r}:
-    connection.execute(statement)
-connection.execute("INSERT INTO resources VALUES ('A', 10, 1), ('B', 0, 1)")
+kit.init("q.db", {{"A": 10, "B": 0}})
+connection = kit.connect("q.db")
 plan = {article7.plan()!r}
 assert kit.execute(connection, "job-1", plan, issued_at=0, now=0) == {article7.APPLIED!r}
 replayed = {{"status": "replayed", "result": {article7.APPLIED!r}}}
@@ -295,7 +288,7 @@ assert not os.path.exists(os.path.join(folder, "preconditions.py"))
 connection.close()
 print('ok')
 """
-        for python, (code, out, err) in run_kit(PRECONDITIONS, kit, recipe, check):
+        for python, (code, out, err) in run_kit(PRECONDITIONS, kit, "", check):
             with self.subTest(python=python):
                 self.assertEqual((code, out, err.decode("utf-8")), (0, b"ok\n", ""))
 
@@ -373,6 +366,10 @@ class TheReadmeOnArticle7ShowsWhatTheRunShows(unittest.TestCase):
                  if line.startswith("| `preconditions.execute` + `change` |")]
         self.assertEqual(set(re.findall(r"`([^`]+)`", row[1])) | {"execute", "change"},
                          set(KIT) | {"change"})
+        [row] = [cells(line) for line in readme().splitlines()
+                 if line.startswith("| `preconditions.connect` + `init` |")]
+        self.assertEqual(set(re.findall(r"`([^`]+)`", row[1])) | {"connect", "init"},
+                         set(FILES_KIT))
         # change() needs nothing that execute() does not: the kit serves ABA as it is.
         self.assertLessEqual(closure(PRECONDITIONS, ["change"]), set(KIT) | {"change"})
 
@@ -818,8 +815,12 @@ DOWNLOAD_7 = ("preconditions.py", "run_experiment.py", "results.json", "test_pre
 KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks",
        "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
        "MAX_AMOUNT", "MAX_INT64", "MAX_TICK", "_dumps"]
-KIT_IMPORTS = ("import hashlib\nimport json\nimport os\nimport sqlite3\n"
-               "from contextlib import contextmanager")
+# connect() and init(): what every kit's connection needs.
+FILES_KIT = ["connect", "_open", "_check_kind", "_check_file", "init", "_create", "snapshot",
+             "transaction", "_check_text", "_check_int", "APPLICATION_ID", "SCHEMA",
+             "SCHEMA_VERSION", "BUSY_TIMEOUT", "MAX_NAME_LENGTH", "MAX_INT64"]
+KIT_IMPORTS = ("import errno\nimport hashlib\nimport json\nimport os\nimport sqlite3\n"
+               "import stat\nfrom contextlib import contextmanager")
 
 
 def setUpModule():
@@ -882,17 +883,11 @@ def closure(path, roots):
     return found
 
 
-def kit_lines(path, roots):
-    """The lines a copier pastes for the kit of ``roots`` in the module at ``path``."""
-    defined = article7.definitions(path)
-    return sum(len(defined[name][1].splitlines()) for name in closure(path, roots))
-
-
 def run_kit(path, names, recipe, check):
     """The definitions ``names`` of the module at ``path`` written to kit.py in a fresh folder,
-    in source order after KIT_IMPORTS; then ``recipe`` (README.md's open_database()) and
-    ``check`` run in a fresh interpreter, this one and a 3.12+ where found, each in a
-    ``folder`` of its own.  [(interpreter, (exit code, stdout, stderr))]."""
+    in source order after KIT_IMPORTS; then ``recipe`` (README.md's python block) and ``check``
+    run in a fresh interpreter, this one and a 3.12+ where found, each in a ``folder`` of its
+    own, which is its working directory.  [(interpreter, (exit code, stdout, stderr))]."""
     defined = article7.definitions(path)
     # Each definition once: SENDER, RECEIVER, EXTERNAL = ... binds three names.
     kit = sorted({id(defined[name][0]): defined[name] for name in names}.values(),
@@ -906,7 +901,7 @@ def run_kit(path, names, recipe, check):
             "import kit",
             # Each interpreter its own databases: they run at the same time.
             "folder = os.path.join(folder, sys.implementation.cache_tag)", "os.mkdir(folder)",
-            recipe, check])
+            "os.chdir(folder)", recipe, check])
         return list(zip(interpreters, article1.run_together(
             [[python, "-I", "-S", *SAME_FLAGS, "-c", script] for python in interpreters])))
 
