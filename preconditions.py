@@ -587,6 +587,16 @@ def _unsafe(args):
         return unsafe_check_then_act(c, args.op, command, pause=_wait_for_go)
 
 
+def _resource(item):
+    """NAME=QTY from the command line, as (name, quantity); a usage error otherwise."""
+    name, sep, quantity = _text(item).rpartition("=")
+    try:
+        return name, int(quantity if sep and name else "no")
+    except ValueError:
+        import argparse
+        raise argparse.ArgumentTypeError(f"expected NAME=QTY with an integer QTY, got {item!r}")
+
+
 # Each command: its function, what it does, its arguments (after DB).
 COMMANDS = {
     "init": (_init, "create a database with each resource at revision 1", ("resources",)),
@@ -603,7 +613,7 @@ COMMANDS = {
                               " checking again", ("op", "command_json")),
 }
 ARGUMENTS = {
-    "resources": {"nargs": "+", "metavar": "NAME=QTY", "type": lambda item: _resource(item),
+    "resources": {"nargs": "+", "metavar": "NAME=QTY", "type": _resource,
                   "help": "a resource and its quantity"},
     "op": {"type": _text, "help": "the operation ID, stable for one decision"},
     "command_json": {"type": _text, "metavar": "COMMAND_JSON",
@@ -636,15 +646,6 @@ def _parser():
         for argument in arguments:
             command.add_argument(argument, **ARGUMENTS[argument])
     return parser
-
-
-def _resource(item):
-    """NAME=QTY from the command line, as (name, quantity); a usage error otherwise."""
-    name, sep, quantity = _text(item).rpartition("=")
-    if not sep or not name or not quantity.lstrip("-").isdigit():
-        import argparse
-        raise argparse.ArgumentTypeError(f"expected NAME=QTY with an integer QTY, got {item!r}")
-    return name, int(quantity)
 
 
 def _issued_at(args):

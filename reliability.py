@@ -416,7 +416,8 @@ def _oldest_due(connection, now):
         " r.issued_at, r.mode, CAST(o.caller AS BLOB), CAST(o.key AS BLOB), CAST(r.digest AS"
         " BLOB), CAST(r.payload AS BLOB) FROM outbox o JOIN requests r ON r.caller = o.caller"
         " AND r.key = o.key WHERE (o.state = 'pending' OR o.state = 'inflight'"
-        " AND o.lease_until <= ?) AND r.issued_at <= ? ORDER BY o.id LIMIT 1",
+        " AND o.lease_until <= ?) AND (r.issued_at <= ? OR typeof(r.issued_at) <> 'integer')"
+        " ORDER BY o.id LIMIT 1",
         (now, now)).fetchone()
     if found is None:
         return None
@@ -686,13 +687,15 @@ def snapshot(connection):
         kind = one("PRAGMA application_id")
         if kind == KINDS[SENDER]:
             # Read as bytes, so that a row another program damaged is still shown.
-            outbox = rows("SELECT CAST(o.caller AS BLOB), CAST(o.key AS BLOB), r.mode, o.state,"
-                          " o.attempts, o.lease_until, r.digest, CAST(o.response AS BLOB)"
+            outbox = rows("SELECT CAST(o.caller AS BLOB), CAST(o.key AS BLOB), CAST(r.mode AS"
+                          " BLOB), o.state, o.attempts, o.lease_until, CAST(r.digest AS BLOB),"
+                          " CAST(o.response AS BLOB)"
                           " FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key ="
                           " o.key ORDER BY o.id", "caller", "key", "mode", "state", "attempts",
                           "lease_until", "digest", "response")
             for row in outbox:
-                row.update(caller=_shown(row["caller"]), key=_shown(row["key"]),
+                row.update({name: _shown(row[name]) for name in ("caller", "key", "mode",
+                                                                 "digest")},
                            response=_stored_json(row["response"]))
             audit = rows("SELECT caller, key, attempt, decision, decided_by, reason, evidence"
                          " FROM resolutions ORDER BY id", "caller", "key", "attempt", "decision",

@@ -696,6 +696,7 @@ class UntrustedRecordsAreRefusedNeverActedOn(unittest.TestCase):
                    "a caller of 100,000 characters": ("caller", "c" * 100000,
                                                       "caller must have 1 to 200"),
                    "issued at -5": ("issued_at", -5, "issued_at must be an int tick from 0"),
+                   "issued at as text": ("issued_at", "five", "issued_at must be an int tick"),
                    "-5 attempts": ("attempts", -5, "attempts must be an int from 0")}
         with workspace() as ws:
             for label, (column, value, reason) in damaged.items():
