@@ -49,6 +49,23 @@ class SeededRunTest(unittest.TestCase):
                          (set(torture.WORK), {"before", "after"}))
         final = summary["final"]
         self.assertEqual(final["outbox"]["done"] + final["outbox"]["blocked"], final["requests"])
+        # The next test runs this one again with /proc hidden: nothing here may need it.
+        self.assertFalse(os.environ.get("PROC_HIDDEN") and os.path.exists("/proc/self"))
+
+    @unittest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0
+                         and shutil.which("unshare"),
+                         "hides /proc in a mount namespace of its own: needs unshare and root")
+    def test_the_same_with_proc_hidden_as_in_a_container_without_it(self):
+        # In a mount namespace of its own, so that no other process loses /proc.
+        test = (f"beyond.test_torture.{type(self).__name__}.test_a_seeded_run_does_the_seeded_"
+                "work_dies_at_the_seeded_points_and_holds")
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none /proc && exec "$0" -m unittest "$1"',
+                               sys.executable, test], capture_output=True, timeout=WATCHDOG * 4,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              env=dict(os.environ, PROC_HIDDEN="1"))
+        self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8", "replace"))
+        self.assertIn(b"Ran 1 test", done.stderr)
 
 
 class CheckTest(unittest.TestCase):
