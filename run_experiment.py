@@ -7,13 +7,15 @@
   python3 run_experiment.py --explain NAME   one scenario as a timeline of what each process did
   python3 run_experiment.py --json           the deterministic results on stdout
   python3 run_experiment.py --output FILE    the deterministic results written to FILE
+  python3 run_experiment.py --download 1 DIR article 1's five files in DIR (7: article 7's)
 
 Every scenario starts in a fresh temporary directory.  Crashes are real: a child process calls
 os._exit at a named boundary, and what survives is read back from the SQLite files by another
 process.  Results hold statuses, exit codes, counts, quantities, revisions, digests and ids,
 never paths, pids or timings, so a rerun reproduces them byte for byte.  Each module is
 optional: with only reliability.py (article 1's download) or only preconditions.py (article
-7's), only its scenarios run and only they are compared.
+7's), only its scenarios run and only they are compared; --download writes such a folder, its
+results.json holding that article's results alone, so that --output reproduces it byte for byte.
 Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted.
 """
 import sys
@@ -69,15 +71,23 @@ HEADINGS = {
     "article_1": "Article 1: the tool did the work but the receipt was lost",
     "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
     "article_7": "Article 7: no duplicate execution, yet still wrong",
-    "crash_matrix": "Crash matrix: every named boundary of both modules, in every mode it"
-                    " applies to"}
+    "crash_matrix": "Crash matrix: every named boundary of "
+                    + " and ".join(name for name, module in MODULES.items() if module)
+                    + ", in every mode it applies to"}
+# Each article's five files: its module and its tests, with the driver, results.json, README.md.
+DOWNLOADS = {"1": ("reliability.py", "test_reliability.py"),
+             "7": ("preconditions.py", "test_preconditions.py")}
 
 
 def module_of(group, name=""):
     """The module a scenario of ``group`` runs, None where this download lacks it: preconditions
     for article 7 and its crash-matrix cells (named preconditions/...), else reliability."""
-    article_7 = group == "article_7" or name.startswith("preconditions/")
-    return preconditions if article_7 else reliability
+    return preconditions if article_of(group, name) == "7" else reliability
+
+
+def article_of(group, name=""):
+    """"7" for article 7's scenarios and crash-matrix cells, "1" for the others."""
+    return "7" if group == "article_7" or name.startswith("preconditions/") else "1"
 
 
 def scenario(article, description, cell=None):
@@ -1548,6 +1558,9 @@ def _main(argv):
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
     parser.add_argument("--explain", metavar="NAME",
                         help="run one scenario and print its timeline")
+    parser.add_argument("--download", nargs=2, metavar=("ARTICLE", "DIR"),
+                        help="write article 1's or 7's five files into DIR, its results.json"
+                        " holding that article's results alone")
     parser.add_argument("--exec", action="store_true",
                         help="start every child as a fresh interpreter instead of forking"
                         " (slower, same results)")
@@ -1555,10 +1568,14 @@ def _main(argv):
     _usable(args)
     global USE_FORK
     USE_FORK = USE_FORK and not args.exec
+    if args.download:
+        return download(*args.download, parser.error)
     names = list(SCENARIOS)
+    missing = [name for name, module in MODULES.items() if module is None]
     for name in (args.only or []) + ([args.explain] if args.explain else []):
         if name not in SCENARIOS:
-            parser.error(f"unknown scenario {name!r}; see --list")
+            parser.error(f"unknown scenario {name!r}; see --list" + "".join(
+                f" (the scenarios of {module} need it next to this script)" for module in missing))
     if args.list:
         width = max(map(len, SCENARIOS))
         for name, (article, description, _) in SCENARIOS.items():
@@ -1594,6 +1611,7 @@ def _main(argv):
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(render(results))
+        print(f"wrote {args.output}", file=out)
     if args.json:
         sys.stdout.write(render(results))
     status = 1 if failed else 0
@@ -1607,6 +1625,31 @@ def _main(argv):
         print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {shown}", file=out)
         status = 1 if diffs or failed else status
     return status
+
+
+def download(article, folder, refuse):
+    """Article ``article``'s five files into ``folder``: its module and tests, this driver,
+    README.md, and results.json holding that article's results alone.  Never overwrites."""
+    if article not in DOWNLOADS:
+        refuse(f"--download {article}: the articles here are {' and '.join(DOWNLOADS)}")
+    names = (DOWNLOADS[article][0], "run_experiment.py", DOWNLOADS[article][1], "README.md")
+    for name in names + ("results.json",):
+        if not os.path.exists(os.path.join(HERE, name)):
+            refuse(f"--download {article}: {name} is not next to this script")
+        if os.path.lexists(os.path.join(folder, name)):
+            refuse(f"--download: {os.path.join(folder, name)} exists; it is never overwritten")
+    with open(RESULTS, encoding="utf-8") as handle:
+        results = json.load(handle)
+    kept = {group: {name: stages for name, stages in scenarios.items()
+                    if article_of(group, name) == article}
+            for group, scenarios in results.items()}
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
+    with open(os.path.join(folder, "results.json"), "w", encoding="utf-8") as handle:
+        handle.write(render({group: scenarios for group, scenarios in kept.items() if scenarios}))
+    print(f"wrote article {article}'s five files to {folder}")
+    return 0
 
 
 def explain(run):

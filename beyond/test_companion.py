@@ -731,70 +731,52 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
 
 
 class TheFiveFilesRunAlone(unittest.TestCase):
-    """Each article's download, its five files alone in an empty folder: the driver's --check
-    reproduces results.json on one scenario of each group, and the tests import without the
-    other article's module."""
+    """Each article's five files, as ``run_experiment.py --download`` writes them into an empty
+    folder, do what the article's last section says: its test file passes, ``--check results.json
+    --output reproduced.json`` passes, and reproduced.json is results.json byte for byte, made
+    by this run alone."""
 
-    def test_the_five_downloaded_files_alone_reproduce_results_json_and_import_the_tests(self):
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        with tempfile.TemporaryDirectory() as directory:
-            for name in DOWNLOAD_1:
-                shutil.copyfile(os.path.join(ROOT, name), os.path.join(directory, name))
-            # The article's command, on one scenario of each group: the same imports,
-            # registration and comparison as the whole run (which the README's --check already
-            # does), at a fraction of the time; meanwhile another process imports the tests and
-            # counts what the driver registered.
-            only = ["idempotent_lost_ack", "manual_resolution", "reliability/after_claim"]
-            commands = [["run_experiment.py", "--check", "results.json", "--output",
-                         "reproduced.json", "--only", *only],
-                        ["-c", "import json, pathlib, sys, test_reliability, run_experiment as r;"
-                               " text = pathlib.Path('results.json').read_text('utf-8');"
-                               " print(len(r.SCENARIOS), 'preconditions' in sys.modules,"
-                               " sorted(n for group in r.compared(json.loads(text)).values()"
-                               " for n in group) == sorted(r.SCENARIOS))"]]
-            (code, check, _), imported = article1.run_together(
-                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
-                cwd=directory, env=env)
-            self.assertEqual(code, 0, check.decode("utf-8"))
-            # The cell brings in after_claim, the article scenario that is that cell.
-            self.assertIn(b"4/4 scenarios match results.json", check)
-            with open(os.path.join(directory, "reproduced.json"), encoding="utf-8") as handle:
-                self.assertEqual(set(json.load(handle)),
-                                 {"article_1", "open_ends", "crash_matrix"})
-            # Article 1's scenarios, those beyond it and its crash-matrix cells are registered,
-            # and exactly these are what a whole --check compares.
-            registered = (len(article1.RESULTS["article_1"]) + len(article1.RESULTS["open_ends"])
-                          + len(article1.MATRIX))
-            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
-            self.assertEqual(sorted(os.listdir(directory)),
-                             sorted(DOWNLOAD_1 + ("reproduced.json",)))
+    def test_article_1s_five_files_do_what_its_section_7_says(self):
+        self.assert_download("1", DOWNLOAD_1, "test_reliability.py")
 
-    def test_the_five_files_alone_pass_the_check_and_the_tests_import_without_reliability(self):
-        with tempfile.TemporaryDirectory() as folder:
-            for name in DOWNLOAD_7:
-                shutil.copyfile(os.path.join(ROOT, name), os.path.join(folder, name))
-            # The article's command, on one scenario of each group: the same imports, registration
-            # and comparison as the whole run (which the README's --check already does), at a
-            # fraction of the time; meanwhile another process imports the tests and counts what
-            # the driver registered, and whether a whole --check compares exactly those.  Both run
-            # with this run's interpreter flags (-X dev, -W error), without site-packages (-S).
-            imports = "\n".join([
-                "import json, sys, test_preconditions, run_experiment as r",
-                "with open('results.json', encoding='utf-8') as handle:",
-                "    compared = r.compared(json.load(handle))",
-                "whole = sorted(n for group in compared.values() for n in group)",
-                "print(len(r.SCENARIOS), 'reliability' in sys.modules,"
-                " whole == sorted(r.SCENARIOS))"])
-            commands = [["run_experiment.py", "--check", "--only", "safe_stale_rejected",
-                         "preconditions/after_commit"], ["-c", imports]]
-            (code, check, _), imported = article7.run_together(
-                [[sys.executable, "-S", *SAME_FLAGS, *command] for command in commands],
-                cwd=folder, env=article7.without_python_variables(PYTHONDONTWRITEBYTECODE="1"))
-            self.assertEqual(code, 0, check.decode("utf-8"))
-            self.assertIn(b"2/2 scenarios match results.json", check)
-            registered = len(article7.ARTICLE_7) + len(article7.MATRIX)
-            self.assertEqual(imported, (0, f"{registered} False True\n".encode(), b""))
-            self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD_7))
+    def test_article_7s_five_files_do_what_its_section_8_says(self):
+        self.assert_download("7", DOWNLOAD_7, "test_preconditions.py")
+
+    def assert_download(self, article, files, tests):
+        with tempfile.TemporaryDirectory() as parent:
+            folder = os.path.join(parent, f"article-{article}")
+            code, out, err = run_main("--download", article, folder)
+            self.assertEqual((code, err), (0, ""))
+            self.assertEqual(out, f"wrote article {article}'s five files to {folder}\n")
+            self.assertEqual(sorted(os.listdir(folder)), sorted(files))
+            env = article7.without_python_variables(PYTHONDONTWRITEBYTECODE="1")
+            run = lambda *argv: subprocess.run([sys.executable, "-S", *SAME_FLAGS, *argv],
+                                               cwd=folder, env=env, capture_output=True,
+                                               timeout=WATCHDOG * 4)
+            # The article's commands, as it prints them.
+            for argv in ([tests], ["run_experiment.py", "--check", "results.json", "--output",
+                                   "reproduced.json"]):
+                with self.subTest(argv=argv):
+                    done = run(*argv)
+                    self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8"))
+            self.assertIn(b"wrote reproduced.json\n", done.stdout)
+            # cmp reproduced.json results.json
+            committed = article1.file_bytes(os.path.join(folder, "results.json"))
+            self.assertEqual(article1.file_bytes(os.path.join(folder, "reproduced.json")),
+                             committed)
+            # Made by the run alone: without results.json beside it, the same bytes.
+            os.remove(os.path.join(folder, "results.json"))
+            done = run("run_experiment.py", "--output", "again.json")
+            self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8"))
+            self.assertEqual(article1.file_bytes(os.path.join(folder, "again.json")), committed)
+            # Exactly this article's part of the project's results.json.
+            whole = article1.file_bytes(os.path.join(ROOT, "results.json")).decode("utf-8")
+            part = {group: {name: stages for name, stages in scenarios.items()
+                            if run_experiment.article_of(group, name) == article}
+                    for group, scenarios in json.loads(whole).items()}
+            self.assertEqual(json.loads(committed),
+                             {group: found for group, found in part.items() if found})
+            self.assertEqual(run_main("--download", article, folder)[0], 2, "never overwrites")
 
 
 # === machinery: paths, the driver in this process, the kits, the twins, README.md ===
