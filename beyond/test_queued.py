@@ -657,3 +657,8 @@ class Line:
             self.kill(name)
         for fd in (fd for pipes in self.pipes.values() for fd in pipes):
             os.close(fd)
+
+
+# Keep last: classes defined below it would not run under `python3 beyond/test_queued.py`.
+if __name__ == "__main__":
+    unittest.main()
