@@ -1891,7 +1891,8 @@ class TicksAreRequiredBoundedAndNeverBackwards(unittest.TestCase):
                     with self.subTest(label, key=key), self.assertRaises(ValueError):
                         receive(ws, key, issued_at=issued_at, now=now)
             for now in (-1, True, 1.5, "3", None, 2 ** 63):
-                with self.subTest(now=now), self.assertRaises(ValueError):
+                # The tick it was given is named as given.
+                with self.subTest(now=now), self.assertRaisesRegex(ValueError, "^now must be"):
                     enqueue(ws, "new", now=now)
                 with self.subTest(now=now), self.assertRaises(ValueError):
                     reliability.claim(ws.sender, now)

@@ -519,6 +519,19 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                 self.assertEqual(child.returncode, code)
                 self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
 
+    def test_a_single_article_run_names_what_it_has_and_what_another_scenario_needs(self):
+        with tempfile.TemporaryDirectory() as parent:
+            folder = os.path.join(parent, "article-1")
+            self.assertEqual(run_main("--download", "1", folder)[0], 0)
+            done = in_download(folder, "run_experiment.py", "--explain", "unsafe_check_then_act")
+            self.assertEqual(done.returncode, 2)
+            self.assertIn(b"the scenarios of preconditions.py need it next to this script",
+                          done.stderr)
+            done = in_download(folder, "run_experiment.py", "--only", "reliability/after_ack")
+            self.assertEqual(done.returncode, 0, done.stderr.decode("utf-8"))
+            self.assertIn(b"Crash matrix: every named boundary of reliability.py, in every mode",
+                          done.stdout)
+
     def test_an_unusable_output_or_check_file_exits_2_with_one_line_before_any_scenario(self):
         with tempfile.TemporaryDirectory() as directory:
             for argv in (["--output", directory],
