@@ -553,6 +553,10 @@ DECLARE
     v_parts text[];
     v_digits text;
     v_point numeric;
+    v_cut numeric;
+    v_shorter numeric;
+    v_text text;
+    v_same boolean;
 BEGIN
     IF p_token !~ '[.eE]' THEN
         IF length(p_token) - (left(p_token, 1) = '-')::integer > 4300 THEN
@@ -582,6 +586,30 @@ BEGIN
     v_digits := rtrim(ltrim(v_digits, '0'), '0');
     IF v_digits = '' THEN
         RETURN v_parts[1] || '0.0';
+    END IF;
+    -- The value is 0.<v_digits> times 10^v_point.  PostgreSQL never writes a decimal that lies
+    -- exactly half-way to a neighbouring double, but Python's repr() does when that decimal
+    -- reads back as this double: it does so only for an even mantissa (reading rounds half to
+    -- even), as 1e+23 is.  Then a shorter decimal inside the closed interval is one of the two
+    -- around PostgreSQL's, cut to k digits: tried shortest first, each read back.
+    IF get_byte(float8send(v_float), 7) % 2 = 0 THEN
+        <<search>>
+        FOR k IN 1 .. length(v_digits) - 1 LOOP
+            v_cut := left(v_digits, k)::numeric;
+            FOREACH v_shorter IN ARRAY ARRAY[v_cut, v_cut + 1] LOOP
+                v_text := v_shorter || 'e' || (v_point - k);
+                -- Beyond the doubles' range the cast raises, and no decimal there is this one.
+                v_same := CASE WHEN v_text::numeric BETWEEN 2.4703282292062328e-324
+                                                        AND 1.7976931348623158e308
+                               THEN v_text::double precision = abs(v_float) ELSE false END;
+                IF v_same THEN
+                    -- 99 + 1 is 100: the point moves with the number of digits.
+                    v_point := v_point - k + length(v_shorter::text);
+                    v_digits := rtrim(v_shorter::text, '0');
+                    EXIT search;
+                END IF;
+            END LOOP;
+        END LOOP;
     END IF;
     -- repr() writes an exponent when the point lies 4 places before the first digit or 17
     -- after it: 0.0001 and 1e-05, 1000000000000000.0 and 1e+16.

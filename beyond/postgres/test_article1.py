@@ -8,6 +8,7 @@ Without PostgreSQL they skip, and the run says so in one line.
 """
 import contextlib
 import json
+import math
 import os
 import random
 import struct
@@ -356,22 +357,52 @@ class CanonicalTest(harness.TestCase):
 
     def test_the_canonical_text_and_digest_equal_reliability_canonical_for_many_payloads(self):
         texts = payload_texts(random.Random(7))
-        attempt = ("CREATE FUNCTION pg_temp.attempt(t text) RETURNS text LANGUAGE plpgsql AS $$"
-                   " DECLARE c text; BEGIN c := article1.canonical(t);"
-                   " RETURN c || chr(31) || article1.digest_of(c);"
-                   " EXCEPTION WHEN invalid_parameter_value THEN RETURN NULL; END $$")
-        query(self.session, attempt)
-        rows = query(self.session, "SELECT coalesce(pg_temp.attempt(t), '') FROM"
-                                   f" json_array_elements_text({literal(texts)}::json)"
-                                   " WITH ORDINALITY AS x(t, n) ORDER BY n")
+        rows = canonical_in_sql(self.session, texts)
         accepted = 0
         for text, row in zip(texts, rows):
             expected = python_canonical(text)
-            self.assertEqual(tuple(row) if row != [""] else None, expected, text[:200])
+            self.assertEqual(row, expected, text[:200])
             accepted += expected is not None
         self.assertEqual(len(rows), len(texts))
         self.assertGreater(accepted, len(texts) // 2)
         self.assertGreater(len(texts) - accepted, 30)
+
+    def test_floats_half_way_between_two_doubles_are_written_as_python_repr_writes_them(self):
+        # 1e23 lies half-way between two doubles and reads back as the even one, so repr()
+        # writes that double as 1e+23: the shortest text that reads back, not
+        # 9.999999999999999e+22.  The sweep, d * 10^j for d below 1000 and j from 18 to 27,
+        # holds hundreds more; the neighbours of the named ones are read and written too.
+        named = {"1e23": "1e+23", "5e22": "5e+22", "2e23": "2e+23", "7e22": "7e+22",
+                 "8e23": "8e+23", "-1e23": "-1e+23", "1E+23": "1e+23", "0.1e24": "1e+23",
+                 "100000000000000000000000.0": "1e+23", "9.999999999999999e22": "1e+23",
+                 "5.3332e21": "5.3332e+21", "6.4e24": "6.4e+24", "-2.5e22": "-2.5e+22",
+                 "1e22": "1e+22", "1e16": "1e+16", "1e-5": "1e-05", "0.0001": "0.0001",
+                 "1.5": "1.5", "-0.0": "-0.0", "5e-324": "5e-324",
+                 "1.7976931348623157e308": "1.7976931348623157e+308"}
+        tokens = list(named) + [f"{d}e{j}" for d in range(1, 1000) for j in range(18, 28)]
+        tokens += [repr(math.nextafter(float(t), way)) for t in tokens[:len(named)]
+                   for way in (-math.inf, math.inf)]
+        texts = ['{"f":%s}' % token for token in tokens]
+        rows = canonical_in_sql(self.session, texts)
+        self.assertEqual(len(rows), len(texts))
+        for text, row in zip(texts, rows):
+            self.assertEqual(row, python_canonical(text), text)
+        for (token, python_writes), row in zip(named.items(), rows):
+            self.assertEqual(row[0], '{"f":%s}' % python_writes, token)
+
+    def test_thousands_of_seeded_payloads_with_floats_near_half_way_equal_reliability_canonical(
+            self):
+        rng = random.Random(23)
+        texts = [written({random_text(rng): seeded_value(rng, 4)
+                          for _ in range(rng.randint(1, 4))}, rng) for _ in range(3000)]
+        rows = canonical_in_sql(self.session, texts)
+        self.assertEqual(len(rows), len(texts))
+        for text, row in zip(texts, rows):
+            expected = python_canonical(text)
+            self.assertIsNotNone(expected, text[:200])
+            self.assertEqual(row, expected, text[:200])
+        half_way = [repr(float(text)) for text in HALF_WAY]
+        self.assertGreater(sum(any(h in row[0] for h in half_way) for row in rows), 500)
 
     def test_bad_input_raises_22023_and_stores_nothing(self):
         s = self.session
@@ -488,6 +519,18 @@ def response_of(session, key):
     return json.dumps({"caller": CALLER, "key": key, "digest": digest, "ticket_id": 7})
 
 
+def canonical_in_sql(session, texts):
+    """article1.canonical's (text, digest) of each JSON text, or None where it raises 22023."""
+    query(session, "CREATE OR REPLACE FUNCTION pg_temp.attempt(t text) RETURNS text"
+                   " LANGUAGE plpgsql AS $$ DECLARE c text; BEGIN c := article1.canonical(t);"
+                   " RETURN c || chr(31) || article1.digest_of(c);"
+                   " EXCEPTION WHEN invalid_parameter_value THEN RETURN NULL; END $$")
+    rows = query(session, "SELECT coalesce(pg_temp.attempt(t), '') FROM"
+                          f" json_array_elements_text({literal(texts)}::json)"
+                          " WITH ORDINALITY AS x(t, n) ORDER BY n")
+    return [tuple(row) if row != [""] else None for row in rows]
+
+
 def python_canonical(text):
     """reliability.canonical of the JSON text as reliability.py's CLI reads it, or None."""
     try:
@@ -560,6 +603,52 @@ def random_value(rng, depth):
     if kind == 5:
         return [random_value(rng, depth - 1) for _ in range(rng.randint(0, 3))]
     return {random_text(rng): random_value(rng, depth - 1) for _ in range(rng.randint(0, 3))}
+
+
+# Floats half-way between two doubles (1e23 and its like, written as d * 10^j), their
+# neighbours, and floats of every magnitude: seeded_value() draws from them.
+HALF_WAY = ["5.3332e21", "7.082e21", "7.95e21", "9.5e21", "1.31e22", "1.9e22", "2.5e22",
+            "3.8e22", "5e22", "7e22", "9.2e22", "1e23", "1.4e23", "2e23", "4e23", "8e23",
+            "1.6e24", "6.4e24"]
+
+
+def seeded_value(rng, depth):
+    """A JSON value for the seeded differential: nested containers, Unicode, big ints, and floats
+    near half-way between two doubles most of all."""
+    kind = rng.randrange(9 if depth else 6)
+    if kind in (0, 1):
+        near = float(rng.choice(HALF_WAY)) * rng.choice([1, -1])
+        return rng.choice([near, math.nextafter(near, math.inf), math.nextafter(near, -math.inf),
+                           rng.randint(1, 999) * 10.0 ** rng.randint(15, 26)])
+    if kind == 2:
+        return rng.choice([rng.uniform(-1e6, 1e6), rng.random() * 10.0 ** rng.randint(-330, 300),
+                           struct.unpack("<d", struct.pack("<Q", rng.getrandbits(62)))[0], -0.0])
+    if kind == 3:
+        return rng.choice([1, -1]) * rng.getrandbits(rng.randint(1, 1200))
+    if kind == 4:
+        return random_text(rng)
+    if kind == 5:
+        return rng.choice([True, False, None])
+    if kind == 6:
+        return [seeded_value(rng, depth - 1) for _ in range(rng.randint(0, 4))]
+    return {random_text(rng): seeded_value(rng, depth - 1) for _ in range(rng.randint(0, 4))}
+
+
+def written(value, rng):
+    """JSON text of ``value``, as another program might write it: keys in any order, blanks,
+    escapes or not, and each float in one of the texts that read back as it."""
+    if type(value) is float:
+        return rng.choice([repr(value), "%.17e" % value, "%.25e" % value,
+                           ("%.17E" % value).replace("E+", "E"), repr(value).replace("e", "E")])
+    if type(value) in (dict, list):
+        comma, colon = rng.choice([",", ", ", " ,\n"]), rng.choice([":", ": ", " : "])
+        if type(value) is list:
+            return "[" + comma.join(written(v, rng) for v in value) + "]"
+        members = list(value.items())
+        rng.shuffle(members)
+        return "{" + comma.join(json.dumps(k, ensure_ascii=rng.random() < 0.5) + colon
+                                + written(v, rng) for k, v in members) + "}"
+    return json.dumps(value, ensure_ascii=rng.random() < 0.5)
 
 
 @contextlib.contextmanager
