@@ -603,6 +603,13 @@ BEGIN
     IF p_json IS NULL THEN
         RAISE EXCEPTION 'JSON text is required, not NULL' USING ERRCODE = '22023';
     END IF;
+    -- Refused before the walk below, which takes a step per token: each , : [ ] { } of the
+    -- text is a byte of the canonical form (in a string too: json.dumps escapes none of them),
+    -- and each other token but the last is followed by one.  Blanks, escapes and long numbers
+    -- shrink, so a longer text may still fit; a text with more of these never does.
+    IF length(p_json) - length(translate(p_json, ',:[]{}', '')) > 65536 THEN
+        RAISE EXCEPTION 'the JSON exceeds 65536 bytes in canonical form' USING ERRCODE = '22023';
+    END IF;
     FOR v_token IN SELECT m[1] FROM regexp_matches(
             p_json, '("(?:[^"\\]|\\.)*"|[^\s{}\[\],:"]+|[{}\[\]])', 'g') AS m LOOP
         IF v_token IN ('}', ']') THEN

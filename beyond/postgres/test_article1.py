@@ -404,6 +404,32 @@ class CanonicalTest(harness.TestCase):
         half_way = [repr(float(text)) for text in HALF_WAY]
         self.assertGreater(sum(any(h in row[0] for h in half_way) for row in rows), 500)
 
+    def test_a_payload_that_cannot_fit_is_refused_before_any_value_in_it_is_written(self):
+        # Each , : [ ] { } is a byte of any canonical form: more than 65536 of them cannot fit,
+        # and the walk, a step per token (a million for these 2 MB), never starts.  PostgreSQL
+        # counts the calls of the functions that write each value (track_functions): none.  A
+        # longer text that is mostly blanks still fits, as in Python.
+        s = self.session
+        cannot = ['{"k":[' + "1," * 1000000 + "1]}", '{"k":"' + "," * 70000 + '"}',
+                  '{"k":[' + "[]," * 30000 + "{}]}"]
+        fits = ['{"k":[' + "1 ,  " * 30000 + "1]}", '{"k" : "' + "," * 65000 + '"' + " " * 999
+                + "}"]
+        query(s, "BEGIN; SET LOCAL track_functions = 'pl'")
+        rows = canonical_in_sql(s, cannot)
+        self.assertEqual(query(s, "SELECT funcname, calls FROM pg_stat_xact_user_functions"
+                                  " WHERE schemaname = 'article1' AND funcname IN"
+                                  " ('canonical_number', 'canonical_string') ORDER BY 1"), [])
+        query(s, "COMMIT")
+        self.assertEqual(rows, [None] * len(cannot))
+        self.assertEqual([python_canonical(text) for text in cannot], [None] * len(cannot))
+        rows = canonical_in_sql(s, fits)
+        self.assertEqual(rows, [python_canonical(text) for text in fits])
+        self.assertNotIn(None, rows)
+        self.assertGreater(min(len(text.encode()) for text in fits), 65536)
+        for text in cannot:
+            self.assertEqual(harness.state_of(s, receive("big", text, 0, 0)), "22023")
+        self.assertEqual(query(s, "SELECT count(*) FROM article1.tickets"), [["0"]])
+
     def test_bad_input_raises_22023_and_stores_nothing(self):
         s = self.session
         one = {"title": "one"}
