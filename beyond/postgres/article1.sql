@@ -290,8 +290,10 @@ DECLARE
     v_response jsonb;
 BEGIN
     PERFORM check_identity(p_caller, p_key);
-    IF p_attempt IS NULL OR scale(p_attempt) <> 0 THEN
-        RAISE EXCEPTION 'attempt must be an integer' USING ERRCODE = '22023';
+    -- As reliability.acknowledge: attempts count from 1, and none passes 2^62.
+    IF NOT coalesce(scale(p_attempt) = 0 AND p_attempt BETWEEN 1 AND 4611686018427387904,
+                    false) THEN
+        RAISE EXCEPTION 'attempt must be an integer from 1 to 2^62' USING ERRCODE = '22023';
     END IF;
     -- Locked: a racing acknowledgement of the row waits here, then sees what this one did.
     SELECT o.state, o.attempts, o.response, r.digest INTO v_row

@@ -169,8 +169,8 @@ class ClaimTest(harness.TestCase):
                            " 'fixture');")
             expected[f"Y-{r}"] = ("done", 1)
         query(self.session, "\n".join(fixture))
-        acks = [("X", 12), ("X", 3), ("X", 13), ("X", 13), ("Y", 1), ("Y", 0), ("E", 2), ("U", 1),
-                ("B", 4), ("A", 2), ("F", 0), ("M", 10), ("D", 0), ("X", 14), ("E", 3), ("Y", 2)]
+        acks = [("X", 12), ("X", 3), ("X", 13), ("X", 13), ("Y", 1), ("Y", 5), ("E", 2), ("U", 1),
+                ("B", 4), ("A", 2), ("F", 1), ("M", 10), ("D", 1), ("X", 14), ("E", 3), ("Y", 2)]
         racers = self.racers(MIXED)
         for r in range(ROUNDS):
             t = 100 * (r + 1)
@@ -234,11 +234,32 @@ class ClaimTest(harness.TestCase):
                          {"status": "acknowledged"})
         self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
                          {"status": "acknowledged"}, "the same attempt and response again")
-        for attempt, response in ((1, other), (2, good), (0, good)):
+        for attempt, response in ((1, other), (2, good), (2 ** 62, good)):
             late = call("article1.acknowledge", CALLER, "k", attempt, response)
             self.assertEqual(value(s, late), {"status": "refused", "state": "done", "attempts": 1})
         self.assertEqual(query(s, "SELECT state, response->>'ticket_id' FROM article1.outbox"),
                          [["done", "7"]])
+
+
+    def test_an_attempt_out_of_range_raises_22023_as_reliability_acknowledge_raises(self):
+        # Attempts count from 1 to 2^62: 0, -1 and 1e400 are bad input, not late attempts.
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
+        value(s, call("article1.claim", 0, 1))
+        good = response_of(s, "k")
+        with python_workspace() as ws:
+            # SQL's text of each attempt, and what Python's json reads it as.
+            for attempt, read in (("0", 0), ("-1", -1), ("-0", 0), ("1e400", math.inf),
+                                  (str(2 ** 62 + 1), 2 ** 62 + 1), ("NULL", None)):
+                statement = (f"SELECT article1.acknowledge('agent', 'k', {attempt},"
+                             f" {literal(good)})")
+                self.assertEqual(harness.state_of(s, statement), "22023", attempt)
+                with self.assertRaises(ValueError, msg=attempt):
+                    reliability.acknowledge(ws.sender, CALLER, "k", read, json.loads(good))
+        self.assertEqual(query(s, "SELECT state, attempts FROM article1.outbox"),
+                         [["inflight", "1"]])
+        self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
+                         {"status": "acknowledged"})
 
 
 # === beyond 第一篇: reconcile, resolve and purge, step by step with reliability.py ==============
