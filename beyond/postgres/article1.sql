@@ -2,8 +2,9 @@
 -- Article 1: the tool did the work but the receipt was lost. The PostgreSQL edition.
 --
 -- 载入 Load: psql -v ON_ERROR_STOP=1 -f article1.sql   (again is safe: every row stays)
--- Everything lives in the schema article1; every function sets its own search_path, so a
--- caller's path (a temporary table, article7 first) never changes what it reads.
+-- Everything lives in the schema article1, which must be the loading role's; the load pins its
+-- own search_path, and every function sets its own, so a caller's path (a temporary table,
+-- article7 first, another role's schema) never changes what runs or what it reads.
 -- 调用 Call: SELECT article1.receive('agent', 'k1', '{"title": "打印机卡纸"}', 0, 0);
 -- JSON goes in as text, so that 1.0 and 1e3 reach the function as written; every function
 -- returns a jsonb object with a "status"; malformed input raises 22023 and stores nothing.
@@ -13,27 +14,67 @@
 
 BEGIN;
 
+-- The load's own search_path, as pg_dump's output pins it: empty, so that only pg_catalog is
+-- searched, and no schema or function of another role named in the loading session's path
+-- (by the role, the database or PGOPTIONS) runs with the loading role's rights; everything
+-- below names its schema.  SET LOCAL ends with this transaction, and looks nothing up.
+SET LOCAL search_path = '';
+
 -- The canonical form below writes UTF-8 text: a database of another encoding is refused.
 DO $$
 BEGIN
-    IF current_setting('server_encoding') <> 'UTF8' THEN
+    IF pg_catalog.current_setting('server_encoding') <> 'UTF8' THEN
         RAISE EXCEPTION 'article1 needs a UTF8 database, not %',
-            current_setting('server_encoding');
+            pg_catalog.current_setting('server_encoding');
     END IF;
 END $$;
 
--- Only for this load: a second load does not list what it keeps, and unqualified names
--- below are created in article1.
+-- Only for this load: a second load does not list what it keeps.
 SET LOCAL client_min_messages = warning;
 CREATE SCHEMA IF NOT EXISTS article1;
-SET LOCAL search_path = article1, pg_temp;
+-- A schema of this name that another role made first would be theirs, and so would every
+-- function loaded into it: they could replace one, and the loading role's next call would
+-- run their code with its rights.  So the schema must be the loading role's, with nothing in
+-- it of another role's, and no other role may create in it.
+DO $$
+DECLARE
+    v_owner oid;
+    v_others text;
+BEGIN
+    SELECT nspowner INTO v_owner FROM pg_catalog.pg_namespace WHERE nspname = 'article1';
+    IF v_owner <> (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user) THEN
+        RAISE EXCEPTION 'schema article1 belongs to %, not to %, who loads this file',
+            pg_catalog.pg_get_userbyid(v_owner), current_user
+            USING HINT = 'Drop or rename that schema, or load this file as its owner.';
+    END IF;
+    SELECT pg_catalog.string_agg(pg_catalog.format('%s %s of %s', o.type, o.identity,
+                                                   pg_catalog.pg_get_userbyid(d.refobjid)),
+                                 ', ' ORDER BY o.identity)
+      INTO v_others
+      FROM pg_catalog.pg_shdepend d,
+           LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) o
+     WHERE d.deptype = 'o' AND o.schema = 'article1' AND d.refobjid <> v_owner
+       AND d.dbid = (SELECT oid FROM pg_catalog.pg_database
+                      WHERE datname = pg_catalog.current_database());
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'schema article1 holds what another role owns: %', v_others;
+    END IF;
+    SELECT pg_catalog.string_agg(CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                 ELSE pg_catalog.pg_get_userbyid(a.grantee) END, ', ')
+      INTO v_others
+      FROM pg_catalog.pg_namespace n, LATERAL pg_catalog.aclexplode(n.nspacl) a
+     WHERE n.nspname = 'article1' AND a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'schema article1 lets % create in it', v_others;
+    END IF;
+END $$;
 
 -- Tables are created only when missing, so a second load keeps the rows.  A later edition
 -- whose tables differ says here how to upgrade; this file refuses a schema of another one.
-CREATE TABLE IF NOT EXISTS edition (
+CREATE TABLE IF NOT EXISTS article1.edition (
     id integer PRIMARY KEY CHECK (id = 1),
     version integer NOT NULL);
-INSERT INTO edition VALUES (1, 1) ON CONFLICT DO NOTHING;
+INSERT INTO article1.edition VALUES (1, 1) ON CONFLICT DO NOTHING;
 DO $$
 BEGIN
     IF (SELECT version FROM article1.edition) <> 1 THEN
@@ -45,7 +86,7 @@ END $$;
 
 -- === 第一篇 §2: the sender writes the intent first =========================================
 -- requests: one intent per (caller, key), its canonical payload and that text's digest.
-CREATE TABLE IF NOT EXISTS requests (
+CREATE TABLE IF NOT EXISTS article1.requests (
     caller text NOT NULL CHECK (length(caller) BETWEEN 1 AND 200),
     key text NOT NULL CHECK (length(key) BETWEEN 1 AND 200),
     mode text NOT NULL CHECK (mode IN ('idempotent', 'external')),
@@ -57,7 +98,7 @@ CREATE TABLE IF NOT EXISTS requests (
     UNIQUE (caller, key, mode));
 -- outbox: the row a worker claims (§5), in id order.  owner_pid is the claimer's process
 -- on its own machine: only that machine can tell reconcile() whether it is gone.
-CREATE TABLE IF NOT EXISTS outbox (
+CREATE TABLE IF NOT EXISTS article1.outbox (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     caller text NOT NULL,
     key text NOT NULL,
@@ -69,10 +110,10 @@ CREATE TABLE IF NOT EXISTS outbox (
     response jsonb,
     owner_pid integer,
     UNIQUE (caller, key),
-    FOREIGN KEY (caller, key, mode) REFERENCES requests (caller, key, mode));
-CREATE INDEX IF NOT EXISTS outbox_due ON outbox (state, lease_until);
+    FOREIGN KEY (caller, key, mode) REFERENCES article1.requests (caller, key, mode));
+CREATE INDEX IF NOT EXISTS outbox_due ON article1.outbox (state, lease_until);
 -- resolutions: a person's decisions on unknown or blocked rows, an audit trail.
-CREATE TABLE IF NOT EXISTS resolutions (
+CREATE TABLE IF NOT EXISTS article1.resolutions (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     caller text NOT NULL,
     key text NOT NULL,
@@ -81,51 +122,53 @@ CREATE TABLE IF NOT EXISTS resolutions (
     decided_by text NOT NULL,
     reason text NOT NULL,
     evidence jsonb,
-    FOREIGN KEY (caller, key) REFERENCES requests (caller, key));
-CREATE INDEX IF NOT EXISTS resolutions_by_request ON resolutions (caller, key);
-CREATE OR REPLACE FUNCTION never_rewritten() RETURNS trigger
+    FOREIGN KEY (caller, key) REFERENCES article1.requests (caller, key));
+CREATE INDEX IF NOT EXISTS resolutions_by_request ON article1.resolutions (caller, key);
+CREATE OR REPLACE FUNCTION article1.never_rewritten() RETURNS trigger
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 BEGIN
     RAISE EXCEPTION 'a recorded decision is never rewritten';
 END $$;
-CREATE OR REPLACE TRIGGER resolutions_never_rewritten BEFORE UPDATE OR DELETE ON resolutions
-    FOR EACH ROW EXECUTE FUNCTION never_rewritten();
-CREATE OR REPLACE TRIGGER resolutions_never_truncated BEFORE TRUNCATE ON resolutions
-    FOR EACH STATEMENT EXECUTE FUNCTION never_rewritten();
+CREATE OR REPLACE TRIGGER resolutions_never_rewritten BEFORE UPDATE OR DELETE
+    ON article1.resolutions FOR EACH ROW EXECUTE FUNCTION article1.never_rewritten();
+CREATE OR REPLACE TRIGGER resolutions_never_truncated BEFORE TRUNCATE ON article1.resolutions
+    FOR EACH STATEMENT EXECUTE FUNCTION article1.never_rewritten();
 
 -- === 第一篇 §3: the receiver's ticket and receipt =========================================
-CREATE SEQUENCE IF NOT EXISTS ticket_ids;
-CREATE TABLE IF NOT EXISTS tickets (
-    id bigint PRIMARY KEY DEFAULT nextval('ticket_ids'),
+CREATE SEQUENCE IF NOT EXISTS article1.ticket_ids;
+CREATE TABLE IF NOT EXISTS article1.tickets (
+    id bigint PRIMARY KEY DEFAULT nextval('article1.ticket_ids'),
     caller text NOT NULL,
     key text NOT NULL,
     digest text NOT NULL,
     payload text NOT NULL);
-ALTER SEQUENCE ticket_ids OWNED BY tickets.id;
-CREATE TABLE IF NOT EXISTS receipts (
+ALTER SEQUENCE article1.ticket_ids OWNED BY article1.tickets.id;
+CREATE TABLE IF NOT EXISTS article1.receipts (
     caller text NOT NULL,
     key text NOT NULL,
     digest text NOT NULL,
     -- Written before its ticket in the same transaction: the key is checked at COMMIT.
-    ticket_id bigint NOT NULL UNIQUE REFERENCES tickets (id) DEFERRABLE INITIALLY DEFERRED,
+    ticket_id bigint NOT NULL UNIQUE
+        REFERENCES article1.tickets (id) DEFERRABLE INITIALLY DEFERRED,
     -- When it was written, for purge().
     tick bigint NOT NULL,
     PRIMARY KEY (caller, key));
-CREATE INDEX IF NOT EXISTS receipts_by_tick ON receipts (tick);
+CREATE INDEX IF NOT EXISTS receipts_by_tick ON article1.receipts (tick);
 -- Beyond 第一篇: receipts written before low_water may be gone, so a request issued before
 -- it that finds no receipt is refused.  One row, locked by every receive() and purge().
-CREATE TABLE IF NOT EXISTS retention (
+CREATE TABLE IF NOT EXISTS article1.retention (
     id integer PRIMARY KEY CHECK (id = 1),
     low_water bigint NOT NULL CHECK (low_water >= 0));
-INSERT INTO retention VALUES (1, 0) ON CONFLICT DO NOTHING;
+INSERT INTO article1.retention VALUES (1, 0) ON CONFLICT DO NOTHING;
 
 
 -- === 第一篇 §2: enqueue ====================================================================
 -- 意图与 outbox 行在同一事务里写下；同一请求 ID 再来是 duplicate，换了参数是 conflict。
 -- Returns {"status": "accepted"} (intent and outbox row committed), "duplicate" (the same
 -- intent again, nothing added) or "conflict" (the key stands for another payload or mode).
-CREATE OR REPLACE FUNCTION enqueue(p_caller text, p_key text, p_payload text, p_now numeric,
-                                   p_mode text DEFAULT 'idempotent') RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.enqueue(p_caller text, p_key text, p_payload text,
+                                            p_now numeric,
+                                            p_mode text DEFAULT 'idempotent') RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_payload text;
@@ -158,8 +201,8 @@ END $$;
 -- for every copy of the request; or "conflict" (the key came with another payload),
 -- "expired" with "low_water" (no receipt, issued before the mark: perhaps a late replay of a
 -- purged one), "corrupt" (the receipt disagrees with its ticket).
-CREATE OR REPLACE FUNCTION receive(p_caller text, p_key text, p_payload text,
-                                   p_issued_at numeric, p_now numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.receive(p_caller text, p_key text, p_payload text,
+                                            p_issued_at numeric, p_now numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_payload text;
@@ -227,7 +270,7 @@ END $$;
 -- one past its lease becomes unknown (§6); one unanswered 10 times since a person last
 -- decided, or whose payload is not the canonical text of its digest, becomes blocked.
 -- p_owner_pid is the claimer's process id on its machine, for reconcile()'s caller.
-CREATE OR REPLACE FUNCTION claim(p_now numeric, p_owner_pid numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.claim(p_now numeric, p_owner_pid numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v record;
@@ -282,8 +325,8 @@ END $$;
 -- "acknowledged"}.  The same attempt with the same response again, after a lost reply,
 -- answers "acknowledged" again.  Anything else changes nothing: {"status": "refused",
 -- "state", "attempts"}.  A response that does not answer this request raises 22023.
-CREATE OR REPLACE FUNCTION acknowledge(p_caller text, p_key text, p_attempt numeric,
-                                       p_response text) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.acknowledge(p_caller text, p_key text, p_attempt numeric,
+                                                p_response text) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_row record;
@@ -328,8 +371,8 @@ END $$;
 -- One ticket with the request's digest makes the row done with it; none sends it back to
 -- pending, only once the lease has ended and p_gone is true; anything less certain leaves it
 -- unknown.  Returns {"status": the row's state, "reason" or "response"}.
-CREATE OR REPLACE FUNCTION reconcile(p_caller text, p_key text, p_found text, p_now numeric,
-                                     p_gone boolean) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.reconcile(p_caller text, p_key text, p_found text,
+                                              p_now numeric, p_gone boolean) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_found jsonb;
@@ -375,8 +418,8 @@ END $$;
 -- key, 10 attempts again) or "abandon".  Returns {"status": the new state, "resolution": the
 -- audit row's id}; the same decision again at the same attempt, after a lost reply, answers
 -- the same without a second row.  A row in another state: {"status": "refused", "state"}.
-CREATE OR REPLACE FUNCTION resolve(p_caller text, p_key text, p_decision text, p_by text,
-                                   p_why text, p_evidence text DEFAULT NULL) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.resolve(p_caller text, p_key text, p_decision text, p_by text,
+                                            p_why text, p_evidence text DEFAULT NULL) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_row record;
@@ -438,7 +481,7 @@ END $$;
 -- Deletes the receipts written before p_now - p_window and raises the mark to it, atomically:
 -- {"status": "purged", "deleted", "low_water"}, or {"status": "backwards", "low_water"} when
 -- the mark would move back (nothing changed).  A receipt written at the mark stays.
-CREATE OR REPLACE FUNCTION purge(p_now numeric, p_window numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.purge(p_now numeric, p_window numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_mark bigint;
@@ -465,7 +508,7 @@ END $$;
 
 
 -- === helpers: input checks (22023 before anything is written) ==============================
-CREATE OR REPLACE FUNCTION check_identity(p_caller text, p_key text) RETURNS void
+CREATE OR REPLACE FUNCTION article1.check_identity(p_caller text, p_key text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 BEGIN
     IF NOT coalesce(length(p_caller) BETWEEN 1 AND 200 AND length(p_key) BETWEEN 1 AND 200,
@@ -475,7 +518,7 @@ BEGIN
 END $$;
 
 -- As Python's str.strip() sees it: not only blanks but every Unicode white space.
-CREATE OR REPLACE FUNCTION check_reason(p_value text, p_what text) RETURNS void
+CREATE OR REPLACE FUNCTION article1.check_reason(p_value text, p_what text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on AS $$
 BEGIN
@@ -488,8 +531,8 @@ END $$;
 
 -- A response answers a request only with exactly its caller, key and digest and a positive
 -- integer ticket_id (1.0 and 1e0 are floats, as Python reads them).  Returns it as jsonb.
-CREATE OR REPLACE FUNCTION response_of(p_response text, p_caller text, p_key text,
-                                       p_digest text) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.response_of(p_response text, p_caller text, p_key text,
+                                                p_digest text) RETURNS jsonb
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 DECLARE
     v_text text := canonical(p_response);
@@ -504,7 +547,7 @@ BEGIN
 END $$;
 
 -- A JSON array of the tool's responses for (caller, key), any digest: what reconcile() takes.
-CREATE OR REPLACE FUNCTION found_of(p_found text, p_caller text, p_key text) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article1.found_of(p_found text, p_caller text, p_key text) RETURNS jsonb
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 DECLARE
     -- The canonical text keeps each number's lexeme: json, unlike jsonb, shows it as written.
@@ -530,7 +573,7 @@ EXCEPTION WHEN untranslatable_character THEN
 END $$;
 
 -- Whether a stored payload is still what enqueue() stores: canonical text with its digest.
-CREATE OR REPLACE FUNCTION is_canonical(p_payload text, p_digest text) RETURNS boolean
+CREATE OR REPLACE FUNCTION article1.is_canonical(p_payload text, p_digest text) RETURNS boolean
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 BEGIN
     RETURN canonical(p_payload) = p_payload AND digest_of(p_payload) = p_digest;
@@ -542,7 +585,7 @@ END $$;
 -- === twins: identical in article1.sql and article7.sql (a test compares them) ==============
 -- 规范文本与摘要：与 reliability.canonical 和 preconditions 的摘要逐字节相同。
 -- Logical ticks are integers from 0 to 2^62, and nothing is acted on before it was issued.
-CREATE OR REPLACE FUNCTION check_ticks(p_issued_at numeric, p_now numeric) RETURNS void
+CREATE OR REPLACE FUNCTION article1.check_ticks(p_issued_at numeric, p_now numeric) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 BEGIN
     IF NOT coalesce(scale(p_issued_at) = 0 AND scale(p_now) = 0 AND 0 <= p_issued_at
@@ -553,7 +596,7 @@ BEGIN
 END $$;
 
 -- The SHA-256 of a text's UTF-8 bytes, in hex: reliability.canonical's and preconditions'.
-CREATE OR REPLACE FUNCTION digest_of(p_text text) RETURNS text
+CREATE OR REPLACE FUNCTION article1.digest_of(p_text text) RETURNS text
 LANGUAGE sql IMMUTABLE SET search_path = article1, pg_temp AS $$
     SELECT encode(sha256(convert_to(p_text, 'UTF8')), 'hex')
 $$;
@@ -561,7 +604,7 @@ $$;
 -- The canonical text of a JSON object, as reliability.canonical writes it: Python's json.dumps
 -- with sorted keys, separators (",", ":"), ensure_ascii=False.  At most 32 levels (a scalar
 -- counts) and 65536 bytes; a repeated key, NaN or an infinite number raises 22023.
-CREATE OR REPLACE FUNCTION canonical(p_json text) RETURNS text
+CREATE OR REPLACE FUNCTION article1.canonical(p_json text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 DECLARE
     v_text text := canonical_json(p_json);
@@ -574,7 +617,7 @@ END $$;
 
 -- Any JSON value, walked token by token: PostgreSQL's json_each would decode keys, and cannot
 -- hold the \u0000 that Python accepts; jsonb would forget how each number was written.
-CREATE OR REPLACE FUNCTION canonical_json(p_json text) RETURNS text
+CREATE OR REPLACE FUNCTION article1.canonical_json(p_json text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on AS $$
 DECLARE
@@ -672,7 +715,7 @@ END $$;
 
 -- A string token as json.dumps writes it with ensure_ascii=False: escapes decoded, then only
 -- ", \ and control characters escaped, \b \f \n \r \t by name and the rest as \u00xx.
-CREATE OR REPLACE FUNCTION canonical_string(p_token text) RETURNS text
+CREATE OR REPLACE FUNCTION article1.canonical_string(p_token text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on AS $$
 DECLARE
@@ -712,7 +755,7 @@ BEGIN
 END $$;
 
 -- One code point as json.dumps writes it inside a string; NULL for a lone surrogate.
-CREATE OR REPLACE FUNCTION json_char(p_code integer) RETURNS text
+CREATE OR REPLACE FUNCTION article1.json_char(p_code integer) RETURNS text
 LANGUAGE sql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on AS $$
     SELECT CASE
@@ -728,14 +771,14 @@ SET standard_conforming_strings = on AS $$
         ELSE chr(p_code) END
 $$;
 
-CREATE OR REPLACE FUNCTION hex_value(p_hex text) RETURNS integer
+CREATE OR REPLACE FUNCTION article1.hex_value(p_hex text) RETURNS integer
 LANGUAGE sql IMMUTABLE SET search_path = article1, pg_temp AS $$
     SELECT ('x' || lpad(p_hex, 8, '0'))::bit(32)::integer
 $$;
 
 -- A canonical key's UTF-8 bytes, its escapes decoded: bytes sort as Python sorts str keys.
 -- Decoded by PostgreSQL when it can, piece by piece when the key holds a \u0000.
-CREATE OR REPLACE FUNCTION key_order(p_key text) RETURNS bytea
+CREATE OR REPLACE FUNCTION article1.key_order(p_key text) RETURNS bytea
 LANGUAGE sql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on AS $$
     SELECT CASE
@@ -753,7 +796,7 @@ $$;
 
 -- A number token as Python reads and writes it: without . e E an int (at most 4300 digits,
 -- Python's int_max_str_digits; -0 is 0), else a float written as repr() writes it.
-CREATE OR REPLACE FUNCTION canonical_number(p_token text) RETURNS text
+CREATE OR REPLACE FUNCTION article1.canonical_number(p_token text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp
 SET standard_conforming_strings = on
 -- Above 0, PostgreSQL writes a float's shortest digits that read back the same, as repr().

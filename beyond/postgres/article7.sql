@@ -2,8 +2,9 @@
 -- Article 7: no duplicate execution, yet still wrong.  The PostgreSQL edition.
 --
 -- 载入 Load: psql -v ON_ERROR_STOP=1 -f article7.sql   (again is safe: every row stays)
--- Everything lives in the schema article7; every function sets its own search_path, so a
--- caller's path (a temporary table, article1 first) never changes what it reads.
+-- Everything lives in the schema article7, which must be the loading role's; the load pins its
+-- own search_path, and every function sets its own, so a caller's path (a temporary table,
+-- article1 first, another role's schema) never changes what runs or what it reads.
 -- 调用 Call: SELECT article7.execute('job-1', '{"src": "A", "dst": "B", "amount": 3,
 --            "expected": {"A": 1, "B": 1}}', 0, 0);
 -- A plan goes in as JSON text, so that 3.0 and 1e3 reach the function as written (floats,
@@ -14,27 +15,67 @@
 
 BEGIN;
 
+-- The load's own search_path, as pg_dump's output pins it: empty, so that only pg_catalog is
+-- searched, and no schema or function of another role named in the loading session's path
+-- (by the role, the database or PGOPTIONS) runs with the loading role's rights; everything
+-- below names its schema.  SET LOCAL ends with this transaction, and looks nothing up.
+SET LOCAL search_path = '';
+
 -- The canonical form below writes UTF-8 text: a database of another encoding is refused.
 DO $$
 BEGIN
-    IF current_setting('server_encoding') <> 'UTF8' THEN
+    IF pg_catalog.current_setting('server_encoding') <> 'UTF8' THEN
         RAISE EXCEPTION 'article7 needs a UTF8 database, not %',
-            current_setting('server_encoding');
+            pg_catalog.current_setting('server_encoding');
     END IF;
 END $$;
 
--- Only for this load: a second load does not list what it keeps, and unqualified names
--- below are created in article7.
+-- Only for this load: a second load does not list what it keeps.
 SET LOCAL client_min_messages = warning;
 CREATE SCHEMA IF NOT EXISTS article7;
-SET LOCAL search_path = article7, pg_temp;
+-- A schema of this name that another role made first would be theirs, and so would every
+-- function loaded into it: they could replace one, and the loading role's next call would
+-- run their code with its rights.  So the schema must be the loading role's, with nothing in
+-- it of another role's, and no other role may create in it.
+DO $$
+DECLARE
+    v_owner oid;
+    v_others text;
+BEGIN
+    SELECT nspowner INTO v_owner FROM pg_catalog.pg_namespace WHERE nspname = 'article7';
+    IF v_owner <> (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user) THEN
+        RAISE EXCEPTION 'schema article7 belongs to %, not to %, who loads this file',
+            pg_catalog.pg_get_userbyid(v_owner), current_user
+            USING HINT = 'Drop or rename that schema, or load this file as its owner.';
+    END IF;
+    SELECT pg_catalog.string_agg(pg_catalog.format('%s %s of %s', o.type, o.identity,
+                                                   pg_catalog.pg_get_userbyid(d.refobjid)),
+                                 ', ' ORDER BY o.identity)
+      INTO v_others
+      FROM pg_catalog.pg_shdepend d,
+           LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) o
+     WHERE d.deptype = 'o' AND o.schema = 'article7' AND d.refobjid <> v_owner
+       AND d.dbid = (SELECT oid FROM pg_catalog.pg_database
+                      WHERE datname = pg_catalog.current_database());
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'schema article7 holds what another role owns: %', v_others;
+    END IF;
+    SELECT pg_catalog.string_agg(CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                                 ELSE pg_catalog.pg_get_userbyid(a.grantee) END, ', ')
+      INTO v_others
+      FROM pg_catalog.pg_namespace n, LATERAL pg_catalog.aclexplode(n.nspacl) a
+     WHERE n.nspname = 'article7' AND a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'schema article7 lets % create in it', v_others;
+    END IF;
+END $$;
 
 -- Tables are created only when missing, so a second load keeps the rows.  A later edition
 -- whose tables differ says here how to upgrade; this file refuses a schema of another one.
-CREATE TABLE IF NOT EXISTS edition (
+CREATE TABLE IF NOT EXISTS article7.edition (
     id integer PRIMARY KEY CHECK (id = 1),
     version integer NOT NULL);
-INSERT INTO edition VALUES (1, 1) ON CONFLICT DO NOTHING;
+INSERT INTO article7.edition VALUES (1, 1) ON CONFLICT DO NOTHING;
 DO $$
 BEGIN
     IF (SELECT version FROM article7.edition) <> 1 THEN
@@ -46,34 +87,34 @@ END $$;
 
 -- === 第七篇 §1: resources carry revisions; receipts, effects and changes =================
 -- Every write that goes through execute() or change() raises the revision by one.
-CREATE TABLE IF NOT EXISTS resources (
+CREATE TABLE IF NOT EXISTS article7.resources (
     name text PRIMARY KEY CHECK (length(name) BETWEEN 1 AND 64),
     quantity bigint NOT NULL CHECK (quantity >= 0),
     revision bigint NOT NULL CHECK (revision >= 1));
 -- §2, §5: one terminal receipt per op, rejections included, never modified once committed.
-CREATE TABLE IF NOT EXISTS receipt (
+CREATE TABLE IF NOT EXISTS article7.receipt (
     op text PRIMARY KEY,
     digest text NOT NULL,
     result jsonb NOT NULL,
     tick bigint NOT NULL);
-CREATE INDEX IF NOT EXISTS receipt_by_tick ON receipt (tick);
+CREATE INDEX IF NOT EXISTS receipt_by_tick ON article7.receipt (tick);
 -- At most one effect per transfer op, one row per applied change(): they outlive receipts.
-CREATE TABLE IF NOT EXISTS effects (
+CREATE TABLE IF NOT EXISTS article7.effects (
     op text PRIMARY KEY,
     src text NOT NULL,
     dst text NOT NULL,
     amount bigint NOT NULL);
-CREATE TABLE IF NOT EXISTS changes (
+CREATE TABLE IF NOT EXISTS article7.changes (
     op text PRIMARY KEY,
     name text NOT NULL,
     delta bigint NOT NULL,
     revision bigint NOT NULL);
 -- Beyond 第七篇: receipts written before low_water may be gone, so an op issued before it that
 -- finds no receipt is refused.  One row, locked by every execute(), change() and purge().
-CREATE TABLE IF NOT EXISTS retention (
+CREATE TABLE IF NOT EXISTS article7.retention (
     id integer PRIMARY KEY CHECK (id = 1),
     low_water bigint NOT NULL CHECK (low_water >= 0));
-INSERT INTO retention VALUES (1, 0) ON CONFLICT DO NOTHING;
+INSERT INTO article7.retention VALUES (1, 0) ON CONFLICT DO NOTHING;
 
 
 -- === 第七篇 §2–§6: execute, a version-checked transfer, decided once ========================
@@ -84,8 +125,8 @@ INSERT INTO retention VALUES (1, 0) ON CONFLICT DO NOTHING;
 -- "column".  Not stored: {"status": "replayed", "result": the stored one}, "conflict" (the op
 -- was decided for another command), "expired" with "low_water" (no receipt, issued before
 -- the mark or with its effect still there: decided before its receipt was purged).
-CREATE OR REPLACE FUNCTION execute(p_op text, p_command text, p_issued_at numeric,
-                                   p_now numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article7.execute(p_op text, p_command text, p_issued_at numeric,
+                                            p_now numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article7, pg_temp AS $$
 DECLARE
     v_text text;
@@ -158,8 +199,8 @@ END $$;
 -- receipt.  Decided and stored: {"status": "changed", "name", "quantity", "revision"},
 -- "missing_resource", "insufficient" (the quantity would go below zero), "overflow"; not
 -- stored: "replayed", "conflict", "expired", as execute() answers them.
-CREATE OR REPLACE FUNCTION change(p_op text, p_name text, p_delta numeric, p_issued_at numeric,
-                                  p_now numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article7.change(p_op text, p_name text, p_delta numeric,
+                                           p_issued_at numeric, p_now numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article7, pg_temp AS $$
 DECLARE
     v_digest text;
@@ -207,8 +248,8 @@ END $$;
 -- §2: the receipt's answer for op, or NULL for a new op.  Read in one statement, one snapshot:
 -- a racing call of the op that commits meanwhile is either seen whole or not at all (then
 -- its receipt raises 23505 at this call's INSERT).
-CREATE OR REPLACE FUNCTION history(p_op text, p_digest text, p_issued_at numeric,
-                                   p_low_water bigint) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article7.history(p_op text, p_digest text, p_issued_at numeric,
+                                            p_low_water bigint) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article7, pg_temp AS $$
 DECLARE
     v_old receipt%ROWTYPE;
@@ -238,7 +279,7 @@ END $$;
 -- As in article 1: deletes the receipts written before p_now - p_window and raises the mark
 -- to it: {"status": "purged", "deleted", "low_water"}, or {"status": "backwards", "low_water"}
 -- (nothing changed).  A receipt written at the mark stays; effects and changes always stay.
-CREATE OR REPLACE FUNCTION purge(p_now numeric, p_window numeric) RETURNS jsonb
+CREATE OR REPLACE FUNCTION article7.purge(p_now numeric, p_window numeric) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article7, pg_temp AS $$
 DECLARE
     v_mark bigint;
@@ -266,7 +307,8 @@ END $$;
 
 
 -- === helpers: input checks (22023 before anything is written) ==============================
-CREATE OR REPLACE FUNCTION check_text(p_value text, p_what text, p_limit integer) RETURNS text
+CREATE OR REPLACE FUNCTION article7.check_text(p_value text, p_what text, p_limit integer)
+RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 BEGIN
     IF NOT coalesce(length(p_value) BETWEEN 1 AND p_limit, false) THEN
@@ -278,7 +320,7 @@ END $$;
 -- §2: a fixed structure, two different names of 1 to 64 characters, an integer amount from 1
 -- to 10^15 and integer revisions from 1 (3.0 and 1e3 are floats, as Python reads them; true
 -- is no integer).  Returns the command's canonical text, whose digest is the receipt's.
-CREATE OR REPLACE FUNCTION validate(p_op text, p_command text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.validate(p_op text, p_command text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 DECLARE
     v_text text;
@@ -315,7 +357,7 @@ EXCEPTION WHEN untranslatable_character THEN
         USING ERRCODE = '22023';
 END $$;
 
-CREATE OR REPLACE FUNCTION json_text(p_value json, p_what text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.json_text(p_value json, p_what text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 BEGIN
     IF json_typeof(p_value) IS DISTINCT FROM 'string' THEN
@@ -324,8 +366,8 @@ BEGIN
     RETURN check_text(p_value #>> '{}', p_what, 64);
 END $$;
 
-CREATE OR REPLACE FUNCTION json_int(p_value json, p_what text, p_low numeric, p_high numeric)
-RETURNS void
+CREATE OR REPLACE FUNCTION article7.json_int(p_value json, p_what text, p_low numeric,
+                                             p_high numeric) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 BEGIN
     IF NOT coalesce(json_typeof(p_value) = 'number' AND p_value::text ~ '^-?[0-9]+$'
@@ -339,7 +381,7 @@ END $$;
 -- === twins: identical in article7.sql and article7.sql (a test compares them) ==============
 -- 规范文本与摘要：与 reliability.canonical 和 preconditions 的摘要逐字节相同。
 -- Logical ticks are integers from 0 to 2^62, and nothing is acted on before it was issued.
-CREATE OR REPLACE FUNCTION check_ticks(p_issued_at numeric, p_now numeric) RETURNS void
+CREATE OR REPLACE FUNCTION article7.check_ticks(p_issued_at numeric, p_now numeric) RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 BEGIN
     IF NOT coalesce(scale(p_issued_at) = 0 AND scale(p_now) = 0 AND 0 <= p_issued_at
@@ -350,7 +392,7 @@ BEGIN
 END $$;
 
 -- The SHA-256 of a text's UTF-8 bytes, in hex: reliability.canonical's and preconditions'.
-CREATE OR REPLACE FUNCTION digest_of(p_text text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.digest_of(p_text text) RETURNS text
 LANGUAGE sql IMMUTABLE SET search_path = article7, pg_temp AS $$
     SELECT encode(sha256(convert_to(p_text, 'UTF8')), 'hex')
 $$;
@@ -358,7 +400,7 @@ $$;
 -- The canonical text of a JSON object, as reliability.canonical writes it: Python's json.dumps
 -- with sorted keys, separators (",", ":"), ensure_ascii=False.  At most 32 levels (a scalar
 -- counts) and 65536 bytes; a repeated key, NaN or an infinite number raises 22023.
-CREATE OR REPLACE FUNCTION canonical(p_json text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.canonical(p_json text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp AS $$
 DECLARE
     v_text text := canonical_json(p_json);
@@ -371,7 +413,7 @@ END $$;
 
 -- Any JSON value, walked token by token: PostgreSQL's json_each would decode keys, and cannot
 -- hold the \u0000 that Python accepts; jsonb would forget how each number was written.
-CREATE OR REPLACE FUNCTION canonical_json(p_json text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.canonical_json(p_json text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp
 SET standard_conforming_strings = on AS $$
 DECLARE
@@ -469,7 +511,7 @@ END $$;
 
 -- A string token as json.dumps writes it with ensure_ascii=False: escapes decoded, then only
 -- ", \ and control characters escaped, \b \f \n \r \t by name and the rest as \u00xx.
-CREATE OR REPLACE FUNCTION canonical_string(p_token text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.canonical_string(p_token text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp
 SET standard_conforming_strings = on AS $$
 DECLARE
@@ -509,7 +551,7 @@ BEGIN
 END $$;
 
 -- One code point as json.dumps writes it inside a string; NULL for a lone surrogate.
-CREATE OR REPLACE FUNCTION json_char(p_code integer) RETURNS text
+CREATE OR REPLACE FUNCTION article7.json_char(p_code integer) RETURNS text
 LANGUAGE sql IMMUTABLE SET search_path = article7, pg_temp
 SET standard_conforming_strings = on AS $$
     SELECT CASE
@@ -525,14 +567,14 @@ SET standard_conforming_strings = on AS $$
         ELSE chr(p_code) END
 $$;
 
-CREATE OR REPLACE FUNCTION hex_value(p_hex text) RETURNS integer
+CREATE OR REPLACE FUNCTION article7.hex_value(p_hex text) RETURNS integer
 LANGUAGE sql IMMUTABLE SET search_path = article7, pg_temp AS $$
     SELECT ('x' || lpad(p_hex, 8, '0'))::bit(32)::integer
 $$;
 
 -- A canonical key's UTF-8 bytes, its escapes decoded: bytes sort as Python sorts str keys.
 -- Decoded by PostgreSQL when it can, piece by piece when the key holds a \u0000.
-CREATE OR REPLACE FUNCTION key_order(p_key text) RETURNS bytea
+CREATE OR REPLACE FUNCTION article7.key_order(p_key text) RETURNS bytea
 LANGUAGE sql IMMUTABLE SET search_path = article7, pg_temp
 SET standard_conforming_strings = on AS $$
     SELECT CASE
@@ -550,7 +592,7 @@ $$;
 
 -- A number token as Python reads and writes it: without . e E an int (at most 4300 digits,
 -- Python's int_max_str_digits; -0 is 0), else a float written as repr() writes it.
-CREATE OR REPLACE FUNCTION canonical_number(p_token text) RETURNS text
+CREATE OR REPLACE FUNCTION article7.canonical_number(p_token text) RETURNS text
 LANGUAGE plpgsql IMMUTABLE SET search_path = article7, pg_temp
 SET standard_conforming_strings = on
 -- Above 0, PostgreSQL writes a float's shortest digits that read back the same, as repr().

@@ -519,6 +519,83 @@ class LoadTest(harness.TestCase):
         self.assertEqual(code, 3)
         self.assertIn("article1 holds edition 2, this file is edition 1", errors)
 
+    def test_a_schema_another_role_made_first_refuses_the_load_and_nothing_of_ours_is_made(self):
+        # A role with CREATE on the database makes the schema first, with a helper of its own:
+        # loaded into it, every function would be that role's to replace, and the loading
+        # role's next call would run its code.  Each file refuses, naming the owner.
+        s = self.session
+        role = intruder(s, self.database)
+        for name, path in harness.ARTICLES.items():
+            with self.subTest(name):
+                query(s, f"DROP SCHEMA {name} CASCADE; SET ROLE {role}; CREATE SCHEMA {name};"
+                         f" CREATE FUNCTION {name}.check_identity(text, text) RETURNS void"
+                         " LANGUAGE sql AS 'SELECT NULL'; RESET ROLE")
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                self.assertIn(f"schema {name} belongs to {role}, not to {harness.SUPERUSER}, who"
+                              " loads this file", errors)
+                self.assertEqual(objects(s, name), [["function", f"{role}"]])
+
+    def test_a_schema_holding_another_roles_object_or_letting_it_create_refuses_the_load(self):
+        s = self.session
+        role = intruder(s, self.database)
+        for name, path in harness.ARTICLES.items():
+            with self.subTest(name):
+                query(s, f"ALTER FUNCTION {name}.check_ticks(numeric, numeric) OWNER TO {role}")
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                self.assertIn(f"schema {name} holds what another role owns: function"
+                              f" {name}.check_ticks(numeric,numeric) of {role}", errors)
+                query(s, f"ALTER FUNCTION {name}.check_ticks(numeric, numeric) OWNER TO"
+                         f" {harness.SUPERUSER}")
+                for grantee in (role, "PUBLIC"):
+                    query(s, f"GRANT CREATE ON SCHEMA {name} TO {grantee}")
+                    code, errors = harness.load(path, self.database)
+                    self.assertEqual(code, 3)
+                    self.assertIn(f"schema {name} lets {grantee} create in it", errors)
+                    query(s, f"REVOKE CREATE ON SCHEMA {name} FROM {grantee}")
+                self.assertEqual(harness.load(path, self.database), (0, ""))
+
+    def test_a_hostile_search_path_runs_none_of_its_code_while_both_files_load(self):
+        # Another role's schema first on the loading session's path (set for the database, as
+        # its owner may), with its own current_setting() and its = and <> for text and
+        # integers: each would run with the loading role's rights, log itself and answer as
+        # pg_catalog's does.  The files load, twice, and none of it ran.
+        s = self.session
+        role = intruder(s, self.database)
+        shadows = [("current_setting", "text", "text", "pg_catalog.current_setting($1)"),
+                   ("set_config", "text, text, boolean", "text",
+                    "pg_catalog.set_config($1, $2, $3)")]
+        for operator, name in (("=", "eq"), ("<>", "ne")):
+            for kind in ("text", "integer", "name", "oid"):
+                shadows.append((f"{name}_{kind}", f"{kind}, {kind}", "boolean",
+                                f"$1 OPERATOR(pg_catalog.{operator}) $2"))
+        statements = [f"SET ROLE {role}", "CREATE SCHEMA evil",
+                      "CREATE TABLE evil.log (called text)",
+                      "GRANT USAGE ON SCHEMA evil TO PUBLIC",
+                      "GRANT INSERT ON evil.log TO PUBLIC"]
+        for function, arguments, returns, body in shadows:
+            statements.append(f"CREATE FUNCTION evil.{function}({arguments}) RETURNS {returns}"
+                              f" LANGUAGE sql AS $$ INSERT INTO evil.log VALUES"
+                              f" ('{function}'); SELECT {body} $$")
+        for operator, name in (("=", "eq"), ("<>", "ne")):
+            for kind in ("text", "integer", "name", "oid"):
+                statements.append(f"CREATE OPERATOR evil.{operator} (LEFTARG = {kind},"
+                                  f" RIGHTARG = {kind}, FUNCTION = evil.{name}_{kind})")
+        statements += ["RESET ROLE",
+                       f"ALTER DATABASE {self.database} SET search_path = evil, pg_catalog"]
+        query(s, "; ".join(statements))
+        # The shadows work: a session on the hostile path runs them.
+        probe = self.client()
+        self.assertEqual(value(probe, "SELECT 'a'::text <> 'b'"), "t")
+        self.assertEqual(query(s, "SELECT called FROM evil.log"), [["ne_text"]])
+        query(s, "TRUNCATE evil.log")
+        for _ in range(2):
+            for path in harness.ARTICLES.values():
+                self.assertEqual(harness.load(path, self.database), (0, ""), path)
+        self.assertEqual(query(s, "SELECT called FROM evil.log"), [])
+        self.assertEqual(value(probe, receive("k", {"t": 1}, 0, 0))["status"], "ticket")
+
     def test_every_function_sets_its_search_path_and_a_temporary_table_changes_nothing(self):
         self.assertEqual(query(self.session, "SELECT n.nspname, p.proname FROM pg_proc p JOIN"
                                " pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname IN"
@@ -564,6 +641,22 @@ def response_of(session, key):
     """The receiver's response for ``key`` as JSON text: caller, key, its digest, ticket 7."""
     digest = value(session, f"SELECT digest FROM article1.requests WHERE key = {literal(key)}")
     return json.dumps({"caller": CALLER, "key": key, "digest": digest, "ticket_id": 7})
+
+
+def intruder(session, database):
+    """A role that may log in and create schemas in ``database``, and nothing more."""
+    query(session, "DO $$ BEGIN CREATE ROLE intruder LOGIN; EXCEPTION WHEN duplicate_object"
+                   f" THEN NULL; END $$; GRANT CREATE ON DATABASE {database} TO intruder")
+    return "intruder"
+
+
+def objects(session, schema):
+    """[kind, owner] of every relation and function in ``schema``."""
+    return query(session, "SELECT kind, pg_get_userbyid(owner) FROM (SELECT 'relation' AS kind,"
+                          " relowner AS owner FROM pg_class WHERE relnamespace ="
+                          f" {literal(schema)}::regnamespace UNION ALL SELECT 'function',"
+                          f" proowner FROM pg_proc WHERE pronamespace = {literal(schema)}"
+                          "::regnamespace) o ORDER BY 1, 2")
 
 
 def canonical_in_sql(session, texts):
