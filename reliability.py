@@ -539,21 +539,29 @@ def reconcile(connection, tool, caller, key, now):
                    {"status": "pending", "reason": "proven absent: retry under the same key"})
 
 
-def resolve(connection, caller, key, decision, *, by, why, evidence=None):
+def resolve(connection, caller, key, decision, *, attempt, by, why, evidence=None):
     """Record a person's decision on an unknown or blocked row, with its audit row, atomically.
 
     ``decision``: "done" (``evidence`` must be the tool's response for this request), "retry"
-    (back to pending under the same key, with MAX_ATTEMPTS attempts again) or "abandon".  The
-    audit row is never rewritten.
+    (back to pending under the same key, with MAX_ATTEMPTS attempts again) or "abandon".
+    ``attempt`` is the row's attempt the person looked at: once a claim has taken the row
+    since, the decision is refused (the row moved on), so that a decision asked again after a
+    lost reply never becomes a second one.  The same call again, while the row is as that
+    decision left it, answers it again without a second audit row.  Refusals raise ValueError;
+    the audit row is never rewritten.
     """
     check_identity(caller, key)
     if decision not in ("done", "retry", "abandon"):
         raise ValueError("decision must be one of done, retry, abandon")
+    if type(attempt) is not int or not 0 <= attempt <= MAX_TICK:
+        raise ValueError(f"attempt must be an int from 0 to {MAX_TICK}, not {attempt!r}")
     for name, value in (("by", by), ("why", why)):
         if type(value) is not str or not value.strip() or len(value) > 1000:
             raise ValueError(f"{name} must be a non-empty str of at most 1000 characters")
     if (evidence is None) == (decision == "done"):
         raise ValueError("evidence is required for done, and only for done")
+    given = None if evidence is None else _dumps(evidence)
+    new_state = {"done": "done", "retry": "pending", "abandon": "abandoned"}[decision]
     with transaction(connection):
         row = connection.execute(
             "SELECT o.state, o.attempts, r.digest FROM outbox o JOIN requests r"
@@ -561,22 +569,36 @@ def resolve(connection, caller, key, decision, *, by, why, evidence=None):
             (caller, key)).fetchone()
         if row is None:
             raise ValueError(f"no request {caller!r}/{key!r}")
-        state, attempt, digest = row
+        state, current, digest = row
+        if attempt > current:
+            raise ValueError(f"attempt {attempt} of {caller!r}/{key!r} was never claimed: it is"
+                             f" at attempt {current}")
+        last = connection.execute(
+            "SELECT id, attempt, decision, decided_by, reason, evidence FROM resolutions"
+            " WHERE caller = ? AND key = ? ORDER BY id DESC LIMIT 1", (caller, key)).fetchone()
+        # This very decision, already recorded at this attempt: its reply was lost.
+        if current == attempt and last is not None and last[1:] == (attempt, decision, by, why,
+                                                                    given):
+            if state != new_state:
+                raise ValueError(f"the row moved on since this decision was recorded; it is"
+                                 f" {state} now")
+            return {"status": new_state, "resolution": last[0]}
+        if current != attempt:
+            raise ValueError(f"the row moved on: a claim took it since the attempt decided on;"
+                             f" {caller!r}/{key!r} is at attempt {current} now, not {attempt}")
         if state not in ("unknown", "blocked"):
             raise ValueError(f"only an unknown or blocked row is resolved by hand; this one is"
                              f" {state}")
         if evidence is not None:
             check_response(evidence, caller, key, digest)
-            evidence = _dumps(evidence)
-        new_state = {"done": "done", "retry": "pending", "abandon": "abandoned"}[decision]
         connection.execute("UPDATE outbox SET state = ?, response = ?, owner_pid = NULL,"
                            " tool_pid = NULL WHERE caller = ? AND key = ?",
-                           (new_state, evidence, caller, key))
+                           (new_state, given, caller, key))
         # The attempt it was decided at: claim() counts MAX_ATTEMPTS from here.
         audit = connection.execute(
             "INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason,"
             " evidence) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (caller, key, attempt, decision, by, why, evidence)).lastrowid
+            (caller, key, attempt, decision, by, why, given)).lastrowid
     return {"status": new_state, "resolution": audit}
 
 
@@ -1121,8 +1143,8 @@ def _reconcile(args):
 def _resolve(args):
     evidence = None if args.evidence is None else _json_argument(args.evidence, "--evidence")
     with _opened(args.root, SENDER) as (sender,):
-        return resolve(sender, args.caller, args.key, args.decision, by=args.by, why=args.why,
-                       evidence=evidence)
+        return resolve(sender, args.caller, args.key, args.decision, attempt=args.attempt,
+                       by=args.by, why=args.why, evidence=evidence)
 
 
 def _purge(args):
@@ -1160,7 +1182,8 @@ COMMANDS = {
     "reconcile": (_reconcile, "settle an unknown row from the external tool's own records",
                   ("root", "caller", "key", "--now"), ()),
     "resolve": (_resolve, "record a person's decision on an unknown or blocked row",
-                ("root", "caller", "key", "decision", "--by", "--why", "--evidence"), ()),
+                ("root", "caller", "key", "decision", "--attempt", "--by", "--why", "--evidence"),
+                ()),
     "purge": (_purge, "delete receipts older than T - W and raise the low-water mark",
               ("root", "--now", "--window"), ()),
     "unsafe-dispatch-mark-before": (_unsafe_dispatch, "UNSAFE baseline: record done, then send",
@@ -1181,7 +1204,8 @@ ARGUMENTS = {
     "--wait": {"action": "store_true",
                "help": "print READY, then wait for GO on stdin (racers start together)"},
     "--attempt": {"type": int, "required": True, "metavar": "N",
-                  "help": "the attempt number the claim gave"},
+                  "help": "the attempt number: the one the claim gave, or for resolve the"
+                  " row's attempt the person looked at (snapshot shows it)"},
     "--by": {"type": _text, "required": True, "help": "who decides"},
     "--why": {"type": _text, "required": True, "help": "the reason, kept in the audit row"},
     "--evidence": {"type": _text, "help": "for done: the tool's response, a JSON object with"

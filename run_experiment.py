@@ -489,8 +489,11 @@ def manual_resolution(run):
     external_crash(run, "after_external_effect")
     with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         evidence = reliability.lookup_external(tool, CALLER, KEY)[0]
-        result = reliability.resolve(sender, CALLER, KEY, "done", by="operator",
-                                     why="ticket seen in the tool's own interface",
+        # The attempt the operator looks at: the decision is about that one.
+        attempt = next(row["attempts"] for row in reliability.snapshot(sender)["outbox"]
+                       if (row["caller"], row["key"]) == (CALLER, KEY))
+        result = reliability.resolve(sender, CALLER, KEY, "done", attempt=attempt,
+                                     by="operator", why="ticket seen in the tool's own interface",
                                      evidence=evidence)
         try:
             with reliability.transaction(sender):

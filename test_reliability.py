@@ -1555,7 +1555,8 @@ class ReconcileSettlesUnknownOnlyOnEvidence(unittest.TestCase):
             "UPDATE outbox SET attempts = 2, owner_pid = NULL")
         landings = {
             "abandoned by a person": (True, lambda ws: reliability.resolve(
-                ws.sender, "agent", "k1", "abandon", by="alice", why="closed by hand"),
+                ws.sender, "agent", "k1", "abandon", attempt=1, by="alice",
+                why="closed by hand"),
                 ("abandoned", 1)),
             "a person's retry": (True, lambda ws: set_state(ws, "pending"), ("pending", 1)),
             "in flight again": (True, lambda ws: set_state(ws, "inflight"), ("inflight", 1)),
@@ -1636,8 +1637,9 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
         with workspace() as ws:
             unknown_external(ws)
             evidence = self.evidence(ws)
-            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "done", by="alice",
-                                                 why="seen in the UI", evidence=evidence),
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "done", attempt=1,
+                                                 by="alice", why="seen in the UI",
+                                                 evidence=evidence),
                              {"status": "done", "resolution": 1})
             self.assertEqual((outbox(ws)["state"], outbox(ws)["response"]), ("done", evidence))
             self.assertEqual(audit(ws), [(1, "agent", "k1", 1, "done", "alice", "seen in the UI",
@@ -1649,8 +1651,8 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
             unknown_external(ws)
             # A person may decide while a process lives.
             set_pids(ws, os.getpid(), os.getpid())
-            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "retry", by="bob",
-                                                 why="tool shows nothing"),
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "retry", attempt=1,
+                                                 by="bob", why="tool shows nothing"),
                              {"status": "pending", "resolution": 1})
             self.assertEqual((outbox(ws)["state"], outbox(ws)["response"], pids(ws)),
                              ("pending", None, (None, None)))
@@ -1667,8 +1669,8 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
                 self.assertEqual(claimed["attempt"], attempt)
             self.assertIsNone(reliability.claim(ws.sender, MAX_ATTEMPTS * LEASE_TICKS))
             self.assertEqual(state(ws), ("blocked", MAX_ATTEMPTS))
-            reliability.resolve(ws.sender, "agent", "k1", "retry", by="bob",
-                                why="the receiver is back")
+            reliability.resolve(ws.sender, "agent", "k1", "retry", attempt=MAX_ATTEMPTS,
+                                by="bob", why="the receiver is back")
             result = reliability.dispatch(ws.sender, ws.root, MAX_ATTEMPTS * LEASE_TICKS,
                                           start=launcher())
             self.assertEqual((result["attempt"], result["acknowledged"]), (MAX_ATTEMPTS + 1, True))
@@ -1677,14 +1679,14 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
     def test_abandon_parks_an_unknown_or_blocked_row_for_good(self):
         with workspace() as ws:
             unknown_external(ws)
-            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol",
-                                                 why="not needed"),
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "abandon", attempt=1,
+                                                 by="carol", why="not needed"),
                              {"status": "abandoned", "resolution": 1})
             self.assertIsNone(reliability.claim(ws.sender, 1000))
             enqueue(ws, "k2")
             set_state(ws, "blocked", key="k2")
-            self.assertEqual(reliability.resolve(ws.sender, "agent", "k2", "abandon", by="dan",
-                                                 why="expired"),
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k2", "abandon", attempt=0,
+                                                 by="dan", why="expired"),
                              {"status": "abandoned", "resolution": 2})
             self.assertEqual((outbox(ws)["state"], outbox(ws, "k2")["state"]),
                              ("abandoned", "abandoned"))
@@ -1715,32 +1717,102 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
                 "bool ticket id": dict(decision="done", evidence=dict(evidence, ticket_id=True)),
                 "evidence with an extra field": dict(decision="done",
                                                      evidence=dict(evidence, status="ok")),
+                "an attempt never claimed": dict(decision="abandon", attempt=2),
+                "a negative attempt": dict(decision="abandon", attempt=-1),
+                "an attempt that is a bool": dict(decision="abandon", attempt=True),
+                "an attempt that is a float": dict(decision="abandon", attempt=1.0),
+                "no attempt": dict(decision="abandon", attempt=None),
             }
             before = sender_rows(ws)
             for label, arguments in refused.items():
-                arguments = dict({"by": "alice", "why": "because"}, **arguments)
+                arguments = dict({"attempt": 1, "by": "alice", "why": "because"}, **arguments)
                 with self.subTest(label), self.assertRaises(ValueError):
                     reliability.resolve(ws.sender, "agent", "k1", arguments.pop("decision"),
                                         **arguments)
                 self.assertEqual(sender_rows(ws), before)
                 self.assertFalse(ws.sender.in_transaction)
             with self.assertRaises(ValueError):
-                reliability.resolve(ws.sender, "agent", "missing", "abandon", by="alice",
-                                    why="because")
+                reliability.resolve(ws.sender, "agent", "missing", "abandon", attempt=0,
+                                    by="alice", why="because")
             # Only unknown or blocked rows.
             for row_state in ("pending", "inflight", "done", "abandoned"):
                 with self.subTest(state=row_state), self.assertRaises(ValueError):
                     set_state(ws, row_state)
-                    reliability.resolve(ws.sender, "agent", "k1", "abandon", by="alice",
-                                        why="because")
+                    reliability.resolve(ws.sender, "agent", "k1", "abandon", attempt=1,
+                                        by="alice", why="because")
             self.assertEqual(audit(ws), [])
+
+    def test_a_decision_asked_again_after_a_lost_reply_answers_the_first_with_one_audit_row(
+            self):
+        with workspace() as ws:
+            unknown_external(ws)
+            unknown_external(ws, "k2")
+            evidence = self.evidence(ws)
+            for _ in range(2):
+                self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "done", attempt=1,
+                                                     by="alice", why="seen in the UI",
+                                                     evidence=dict(evidence)),
+                                 {"status": "done", "resolution": 1})
+                self.assertEqual(reliability.resolve(ws.sender, "agent", "k2", "retry", attempt=1,
+                                                     by="bob", why="nothing there"),
+                                 {"status": "pending", "resolution": 2})
+            self.assertEqual([row[:5] for row in audit(ws)],
+                             [(1, "agent", "k1", 1, "done"), (2, "agent", "k2", 1, "retry")])
+            # Another decision, or the same one by another hand, is no replay.
+            for decision, by in (("abandon", "bob"), ("retry", "carol")):
+                with self.subTest(decision=decision, by=by), self.assertRaisesRegex(
+                        ValueError, "^only an unknown or blocked row is resolved by hand"):
+                    reliability.resolve(ws.sender, "agent", "k2", decision, attempt=1, by=by,
+                                        why="nothing there")
+            self.assertEqual(len(audit(ws)), 2)
+
+    def test_a_retry_asked_again_after_a_claim_took_the_row_is_refused_as_moved_on(self):
+        # The reply to a retry of attempt 1 is lost; a claim sends attempt 2, and the row is
+        # unknown again.  Asked again, the retry of attempt 1 would send attempt 3 nobody
+        # decided on: refused, and the row stays as it is.
+        with workspace() as ws:
+            unknown_external(ws)
+            retry = functools.partial(reliability.resolve, ws.sender, "agent", "k1", "retry",
+                                      by="bob", why="tool shows nothing")
+            self.assertEqual(retry(attempt=1), {"status": "pending", "resolution": 1})
+            self.assertEqual(reliability.claim(ws.sender, LEASE_TICKS)["attempt"], 2)
+            self.assertIsNone(reliability.claim(ws.sender, 2 * LEASE_TICKS))
+            self.assertEqual(state(ws), ("unknown", 2))
+            with self.assertRaisesRegex(ValueError, "^the row moved on: a claim took it since"
+                                                    " the attempt decided on"):
+                retry(attempt=1)
+            self.assertEqual((state(ws), len(audit(ws))), (("unknown", 2), 1))
+            self.assertIsNone(reliability.claim(ws.sender, 3 * LEASE_TICKS))
+            # A decision on the attempt the row is at now is a new one.
+            self.assertEqual(retry(attempt=2), {"status": "pending", "resolution": 2})
+
+    def test_the_same_call_once_the_row_left_that_decisions_state_is_refused_not_made_again(
+            self):
+        # A retry of a corrupt row: claim() blocks it again at the same attempt.  The same call
+        # is then neither a replay (the row is not pending) nor a second decision.
+        with workspace() as ws:
+            enqueue(ws)
+            with raw(ws.path("sender")) as tamper:
+                tamper.execute("UPDATE requests SET payload = '{\"tampered\":1}'")
+            self.assertIsNone(reliability.claim(ws.sender, 0))
+            retry = functools.partial(reliability.resolve, ws.sender, "agent", "k1", "retry",
+                                      attempt=0, by="bob", why="fixed, I think")
+            self.assertEqual(retry(), {"status": "pending", "resolution": 1})
+            self.assertIsNone(reliability.claim(ws.sender, 0))
+            self.assertEqual(state(ws), ("blocked", 0))
+            with self.assertRaisesRegex(ValueError, "^the row moved on since this decision was"
+                                                    " recorded"):
+                retry()
+            self.assertEqual(reliability.resolve(ws.sender, "agent", "k1", "abandon", attempt=0,
+                                                 by="bob", why="corrupt"),
+                             {"status": "abandoned", "resolution": 2})
 
     def test_the_audit_row_cannot_be_updated_deleted_or_replaced_even_by_a_raw_connection(self):
         # INSERT OR REPLACE deletes the conflicting row without firing DELETE triggers
         # (recursive_triggers is off), so only the BEFORE INSERT trigger on a taken id stops it.
         with workspace() as ws:
             unknown_external(ws)
-            reliability.resolve(ws.sender, "agent", "k1", "abandon", by="carol",
+            reliability.resolve(ws.sender, "agent", "k1", "abandon", attempt=1, by="carol",
                                 why="no longer needed")
             recorded = audit(ws)
             with raw(ws.path("sender")) as tamper:
@@ -1761,13 +1833,18 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
             ws.close()
             self.assertEqual(cli("purge", ws.root, "--now", 100, "--window", 50),
                              (0, '{"deleted":1,"low_water":50,"status":"purged"}\n', ""))
-            self.assertEqual(cli("resolve", ws.root, "agent", "k1", "abandon", "--by", "x",
-                                 "--why", "y"),
+            self.assertEqual(cli("resolve", ws.root, "agent", "k1", "abandon", "--attempt", 1,
+                                 "--by", "x", "--why", "y"),
                              (0, '{"resolution":1,"status":"abandoned"}\n', ""))
-            code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--by", "x",
-                                 "--why", "y")
+            code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--attempt", 1,
+                                 "--by", "x", "--why", "y")
             self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
             self.assertTrue(err.startswith("reliability.py resolve: "), err)
+            # The attempt decided on is required.
+            code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--by", "x",
+                                 "--why", "y")
+            self.assertEqual((code, out), (2, ""))
+            self.assertIn("--attempt", err)
             self.assertEqual((outbox(ws)["state"], len(audit(ws))), ("abandoned", 1))
 
 

@@ -413,13 +413,21 @@ BEGIN
                               'reason', 'proven absent: retry under the same key');
 END $$;
 
+-- 人对 unknown 或 blocked 行的决定，针对他看到的那次尝试；之后被认领过的行拒绝，同一决定重放答原答案。
 -- A person's decision on an unknown or blocked row, and its audit row, in one transaction:
 -- "done" (p_evidence: the tool's response for this request), "retry" (pending under the same
--- key, 10 attempts again) or "abandon".  Returns {"status": the new state, "resolution": the
--- audit row's id}; the same decision again at the same attempt, after a lost reply, answers
--- the same without a second row.  A row in another state: {"status": "refused", "state"}.
-CREATE OR REPLACE FUNCTION article1.resolve(p_caller text, p_key text, p_decision text, p_by text,
-                                            p_why text, p_evidence text DEFAULT NULL) RETURNS jsonb
+-- key, 10 attempts again) or "abandon".  p_attempt is the row's attempt the person looked at.
+-- Returns {"status": the new state, "resolution": the audit row's id}.  Refused, changing
+-- nothing, with {"status": "refused", "state", "attempts", "reason"}: a row a claim has taken
+-- since that attempt (it moved on: a decision asked again after a lost reply never becomes a
+-- second one), or a row neither unknown nor blocked.  The same call again, while the row is as
+-- that decision left it, answers the same without a second row.  An attempt never claimed
+-- raises 22023.
+-- The edition before named no attempt: its resolve() goes, or it would stay callable.
+DROP FUNCTION IF EXISTS article1.resolve(text, text, text, text, text, text);
+CREATE OR REPLACE FUNCTION article1.resolve(p_caller text, p_key text, p_decision text,
+                                            p_attempt numeric, p_by text, p_why text,
+                                            p_evidence text DEFAULT NULL) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_row record;
@@ -433,6 +441,10 @@ BEGIN
     IF p_decision IS NULL OR p_decision NOT IN ('done', 'retry', 'abandon') THEN
         RAISE EXCEPTION 'decision must be one of done, retry, abandon' USING ERRCODE = '22023';
     END IF;
+    IF NOT coalesce(scale(p_attempt) = 0 AND p_attempt BETWEEN 0 AND 4611686018427387904,
+                    false) THEN
+        RAISE EXCEPTION 'attempt must be an integer from 0 to 2^62' USING ERRCODE = '22023';
+    END IF;
     PERFORM check_reason(p_by, 'by');
     PERFORM check_reason(p_why, 'why');
     IF (p_evidence IS NULL) = (p_decision = 'done') THEN
@@ -441,6 +453,7 @@ BEGIN
     IF p_evidence IS NOT NULL THEN
         v_given := canonical(p_evidence);
     END IF;
+    -- Locked: a racing decision, claim or reconcile of the row waits, then sees this one.
     SELECT o.state, o.attempts, r.digest INTO v_row
       FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key
      WHERE o.caller = p_caller AND o.key = p_key
@@ -448,20 +461,37 @@ BEGIN
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no request %/%', p_caller, p_key USING ERRCODE = '22023';
     END IF;
+    IF p_attempt > v_row.attempts THEN
+        RAISE EXCEPTION 'attempt % of %/% was never claimed: it is at attempt %', p_attempt,
+            p_caller, p_key, v_row.attempts USING ERRCODE = '22023';
+    END IF;
     v_state := CASE p_decision WHEN 'done' THEN 'done' WHEN 'retry' THEN 'pending'
                ELSE 'abandoned' END;
-    -- The same decision, at the same attempt, already made: its reply was lost.
+    -- This very decision, already recorded at this attempt: its reply was lost.  It is
+    -- answered again only while the row is as it left it.
     SELECT * INTO v_last FROM resolutions WHERE caller = p_caller AND key = p_key
      ORDER BY id DESC LIMIT 1;
-    IF FOUND AND (v_last.attempt, v_last.decision, v_last.decided_by, v_last.reason)
-                 = (v_row.attempts, p_decision, p_by, p_why) AND v_row.state = v_state
+    IF FOUND AND v_row.attempts = p_attempt
+             AND (v_last.attempt, v_last.decision, v_last.decided_by, v_last.reason)
+                 = (p_attempt, p_decision, p_by, p_why)
              AND v_given IS NOT DISTINCT FROM (CASE WHEN v_last.evidence IS NOT NULL
                                                     THEN canonical(v_last.evidence::text) END) THEN
-        RETURN jsonb_build_object('status', v_state, 'resolution', v_last.id);
+        IF v_row.state = v_state THEN
+            RETURN jsonb_build_object('status', v_state, 'resolution', v_last.id);
+        END IF;
+        RETURN jsonb_build_object('status', 'refused', 'state', v_row.state,
+                                  'attempts', v_row.attempts,
+                                  'reason', 'the row moved on since this decision was recorded');
+    END IF;
+    IF v_row.attempts <> p_attempt THEN
+        RETURN jsonb_build_object('status', 'refused', 'state', v_row.state,
+                                  'attempts', v_row.attempts, 'reason', 'the row moved on:'
+                                  ' a claim took it since the attempt decided on');
     END IF;
     IF v_row.state NOT IN ('unknown', 'blocked') THEN
-        RETURN jsonb_build_object('status', 'refused', 'state', v_row.state, 'reason',
-                                  'only an unknown or blocked row is resolved by hand');
+        RETURN jsonb_build_object('status', 'refused', 'state', v_row.state,
+                                  'attempts', v_row.attempts,
+                                  'reason', 'only an unknown or blocked row is resolved by hand');
     END IF;
     IF p_evidence IS NOT NULL THEN
         v_evidence := response_of(p_evidence, p_caller, p_key, v_row.digest);
@@ -470,7 +500,7 @@ BEGIN
      WHERE caller = p_caller AND key = p_key;
     -- The attempt it was decided at: claim() counts 10 attempts from here.
     INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason, evidence)
-        VALUES (p_caller, p_key, v_row.attempts, p_decision, p_by, p_why, v_evidence)
+        VALUES (p_caller, p_key, p_attempt, p_decision, p_by, p_why, v_evidence)
         RETURNING id INTO v_id;
     RETURN jsonb_build_object('status', v_state, 'resolution', v_id);
 END $$;

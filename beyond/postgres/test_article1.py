@@ -305,28 +305,51 @@ class StepByStepTest(harness.TestCase):
             ("acknowledge", "nothing", 1, None),
             ("claim", 12), ("claim", 13), ("acknowledge", "e2", 1, None), ("state", "e2"),
             ("tamper", "e4"), ("claim", 22), ("claim", 23), ("state", "e4"),
+            # A retry of the corrupt row is blocked again at the same attempt: the same call
+            # again is no replay of a decision the row has left, and no second decision.
+            ("resolve", "e4", "retry", 2, "ops", "fixed?", None), ("claim", 24), ("state", "e4"),
+            ("resolve", "e4", "retry", 2, "ops", "fixed?", None),
+            ("resolve", "e4", "abandon", 2, "ops", "corrupt", None), ("state", "e4"),
         ] + [("claim", 50 + 10 * n) for n in range(11)] + [  # attempts 1..10 of e3, then blocked
             ("claim", 200), ("acknowledge", "e3", 10, None), ("state", "e3"),
-            # A person decides on blocked and unknown rows; the audit row is never rewritten.
-            ("resolve", "e1", "retry", "ops", "why", None),
-            ("resolve", "e3", "retry", "   ", "why", None),
-            ("resolve", "e3", "retry", "ops", "\u3000\t", None),
-            ("resolve", "e3", "done", "ops", "why", None),
-            ("resolve", "e3", "maybe", "ops", "w", None),
-            ("resolve", "e3", "retry", "ops", "r" * 1001, None),
-            ("resolve", "e3", "retry", "ops", "stuck", None), ("claim", 210), ("state", "e3"),
+            # A person decides on blocked and unknown rows, at the attempt they looked at; the
+            # audit row is never rewritten, and a decision asked again is made once.
+            ("resolve", "e1", "retry", 1, "ops", "why", None),
+            ("resolve", "e3", "retry", 10, "   ", "why", None),
+            ("resolve", "e3", "retry", 10, "ops", "\u3000\t", None),
+            ("resolve", "e3", "done", 10, "ops", "why", None),
+            ("resolve", "e3", "maybe", 10, "ops", "w", None),
+            ("resolve", "e3", "retry", 10, "ops", "r" * 1001, None),
+            ("resolve", "e3", "retry", 11, "ops", "stuck", None),
+            ("resolve", "e3", "retry", -1, "ops", "stuck", None),
+            ("resolve", "e3", "retry", 9, "ops", "stuck", None),
+            ("resolve", "e3", "retry", 10, "ops", "stuck", None),
+            ("resolve", "e3", "retry", 10, "ops", "stuck", None),
+            ("resolve", "e3", "abandon", 10, "ops", "stuck", None),
+            ("claim", 210), ("state", "e3"), ("resolve", "e3", "retry", 10, "ops", "stuck", None),
+            ("acknowledge", "e3", 11, None),
             ("reconcile", "e3", 220), ("reconcile", "e2", 5), ("reconcile", "e2", 30),
             ("claim", 300), ("external", "e2", None), ("claim", 320), ("state", "e2"),
             ("reconcile", "e2", 320), ("state", "e2"),
             ("enqueue", "x1", one, 400, "external"), ("enqueue", "x2", other, 400, "external"),
             ("claim", 400), ("claim", 400), ("claim", 410), ("external", "x1", None),
             ("external", "x1", None), ("external", "x2", one), ("reconcile", "x1", 410),
-            ("reconcile", "x2", 410), ("resolve", "x1", "done", "ops", "checked", "other digest"),
-            ("resolve", "x1", "done", "ops", "checked", None), ("resolve", "x1", "abandon", "ops",
-                                                                "late", None),
-            ("resolve", "x2", "abandon", "ops", "duplicate", None),
-            ("resolve", "x2", "done", "ops", "no", "first"),
-            ("resolve", "k1", "retry", "o", "w", None),
+            ("reconcile", "x2", 410),
+            ("resolve", "x1", "done", 1, "ops", "checked", "other digest"),
+            ("resolve", "x1", "done", 1, "ops", "checked", None),
+            ("resolve", "x1", "done", 1, "ops", "checked", None),
+            ("resolve", "x1", "abandon", 1, "ops", "late", None),
+            ("resolve", "x2", "abandon", 1, "ops", "duplicate", None),
+            ("resolve", "x2", "done", 1, "ops", "no", "first"),
+            ("resolve", "k1", "retry", 0, "o", "w", None),
+            # The retry of an unknown external row, asked again after its reply was lost, once
+            # a claim has taken the row and it went unknown again: refused, no second call.
+            ("enqueue", "x3", one, 500, "external"), ("claim", 500), ("claim", 510),
+            ("state", "x3"), ("resolve", "x3", "retry", 1, "ops", "tool down", None),
+            ("claim", 510), ("claim", 520), ("claim", 520), ("state", "x3"),
+            ("resolve", "x3", "retry", 1, "ops", "tool down", None), ("state", "x3"),
+            ("claim", 530), ("state", "x3"),
+            ("resolve", "x3", "abandon", 2, "ops", "seen twice", None), ("state", "x3"),
         ]
         with python_workspace() as ws:
             editions = Editions(self.session, ws)
@@ -358,17 +381,53 @@ class StepByStepTest(harness.TestCase):
         value(s, call("article1.enqueue", CALLER, "e", {"t": 1}, 0, "external"))
         value(s, call("article1.claim", 0, 1))
         value(s, call("article1.claim", 10, 1))
-        decide = call("article1.resolve", CALLER, "e", "retry", "ops", "the tool was down")
+        decide = call("article1.resolve", CALLER, "e", "retry", 1, "ops", "the tool was down")
         self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1})
         self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1}, "a replay")
-        self.assertEqual(value(s, call("article1.resolve", CALLER, "e", "abandon", "ops", "no")),
-                         {"status": "refused", "state": "pending",
+        self.assertEqual(value(s, call("article1.resolve", CALLER, "e", "abandon", 1, "ops",
+                                       "no")),
+                         {"status": "refused", "state": "pending", "attempts": 1,
                           "reason": "only an unknown or blocked row is resolved by hand"})
         for statement in ("UPDATE article1.resolutions SET reason = 'other'",
                           "DELETE FROM article1.resolutions", "TRUNCATE article1.resolutions"):
             self.assertEqual(harness.state_of(s, statement), "P0001", statement)
         self.assertEqual(query(s, "SELECT attempt, decision, reason FROM article1.resolutions"),
                          [["1", "retry", "the tool was down"]])
+
+    def test_the_same_call_once_the_row_left_that_decisions_state_is_refused_not_answered(self):
+        # A retry of a corrupt row: claim() blocks it again at the same attempt.  The same call
+        # then answers neither "pending" (the row is blocked) nor makes a second decision.
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
+        query(s, "UPDATE article1.requests SET payload = '{\"tampered\":1}'")
+        retry = call("article1.resolve", CALLER, "k", "retry", 0, "ops", "fixed, I think")
+        self.assertEqual(value(s, call("article1.claim", 0, 1))["status"], "nothing due")
+        self.assertEqual(value(s, retry), {"status": "pending", "resolution": 1})
+        self.assertEqual(value(s, call("article1.claim", 0, 1))["status"], "nothing due")
+        self.assertEqual(value(s, retry), {"status": "refused", "state": "blocked", "attempts": 0,
+                                           "reason": REFUSED[2]})
+        self.assertEqual(query(s, "SELECT count(*) FROM article1.resolutions"), [["1"]])
+
+    def test_a_retry_asked_again_after_a_claim_took_the_row_is_refused_in_both_editions(self):
+        # The person decides retry on attempt 1 of an unknown external row; the reply is lost;
+        # a claim sends attempt 2, and the row is unknown again.  Asked again, the decision on
+        # attempt 1 is refused: no second audit row, no call of the tool nobody decided on.
+        s = self.session
+        with python_workspace() as ws:
+            editions = Editions(s, ws)
+            steps = [("enqueue", "x", {"t": 1}, 0, "external"), ("claim", 0), ("claim", 10),
+                     ("resolve", "x", "retry", 1, "ops", "tool down", None), ("claim", 10),
+                     ("claim", 20), ("resolve", "x", "retry", 1, "ops", "tool down", None),
+                     ("state", "x"), ("claim", 30)]
+            answers = [editions.sql(step) for step in steps]
+            self.assertEqual(answers, [editions.python(step) for step in steps])
+            self.assertEqual(answers[3], {"status": "pending", "resolution": 1})
+            self.assertEqual(answers[6], {"status": "refused", "state": "unknown", "attempts": 2,
+                                          "reason": REFUSED[1]})
+            self.assertEqual(answers[7:], [["unknown", 2, 20], {"status": "nothing due",
+                                                                "now": 30}])
+            self.assertEqual(len(ws.sender.execute("SELECT * FROM resolutions").fetchall()), 1)
+        self.assertEqual(query(s, "SELECT count(*) FROM article1.resolutions"), [["1"]])
 
 
 # === the canonical form and its digest, as reliability.canonical computes them ==================
@@ -487,9 +546,13 @@ class CanonicalTest(harness.TestCase):
             call("article1.reconcile", CALLER, "e", "{}", 0, True),
             call("article1.reconcile", CALLER, "e", '[{"caller": "agent"}]', 0, True),
             call("article1.reconcile", CALLER, "e", '[{"\\u0000": 1}]', 0, True),
-            call("article1.resolve", CALLER, "e", "retry", "", "why"),
-            call("article1.resolve", CALLER, "e", "done", "ops", "why"),
-            call("article1.resolve", CALLER, "e", "retry", "ops", "why", good),
+            call("article1.resolve", CALLER, "e", "retry", 0, "", "why"),
+            call("article1.resolve", CALLER, "e", "done", 0, "ops", "why"),
+            call("article1.resolve", CALLER, "e", "retry", 0, "ops", "why", good),
+            call("article1.resolve", CALLER, "e", "abandon", 1, "ops", "never claimed"),
+            call("article1.resolve", CALLER, "e", "abandon", -1, "ops", "why"),
+            call("article1.resolve", CALLER, "e", "abandon", None, "ops", "why"),
+            "SELECT article1.resolve('agent', 'e', 'abandon', 0.5, 'ops', 'why')",
         ]
         for statement in bad:
             self.assertEqual(harness.state_of(s, statement), "22023", statement[:200])
@@ -595,6 +658,17 @@ class LoadTest(harness.TestCase):
                 self.assertEqual(harness.load(path, self.database), (0, ""), path)
         self.assertEqual(query(s, "SELECT called FROM evil.log"), [])
         self.assertEqual(value(probe, receive("k", {"t": 1}, 0, 0))["status"], "ticket")
+
+    def test_loading_over_the_edition_before_drops_its_functions_of_other_arguments(self):
+        # The file before had resolve() without the attempt decided on: left beside the new
+        # one, it would still decide on whatever attempt the row is at.
+        s = self.session
+        query(s, "CREATE FUNCTION article1.resolve(text, text, text, text, text,"
+                 " text DEFAULT NULL) RETURNS jsonb LANGUAGE sql AS $$ SELECT '{}'::jsonb $$")
+        self.assertEqual(harness.load(harness.ARTICLES["article1"], self.database), (0, ""))
+        self.assertEqual(query(s, "SELECT oid::regprocedure FROM pg_proc WHERE pronamespace ="
+                                  " 'article1'::regnamespace AND proname = 'resolve'"),
+                         [["article1.resolve(text,text,text,numeric,text,text,text)"]])
 
     def test_every_function_sets_its_search_path_and_a_temporary_table_changes_nothing(self):
         self.assertEqual(query(self.session, "SELECT n.nspname, p.proname FROM pg_proc p JOIN"
@@ -825,6 +899,12 @@ def faulty(key, digest, fault):
     return response
 
 
+# resolve()'s refusals: the reason article1.sql answers, and how reliability.py's ValueError
+# starts.
+REFUSED = ("only an unknown or blocked row is resolved by hand",
+           "the row moved on: a claim took it since the attempt decided on",
+           "the row moved on since this decision was recorded")
+
 # What a step changes behind the protocol's back: (database, table, column).
 TAMPERED = {"tamper": ("sender", "requests", "payload"),
             "tamper ticket": ("receiver", "tickets", "payload"),
@@ -892,9 +972,9 @@ class Editions:
             if kind == "reconcile":
                 key, now = args
                 return reliability.reconcile(ws.sender, ws.external, CALLER, key, now)
-            key, decision, by, why, fault = args
-            return reliability.resolve(ws.sender, CALLER, key, decision, by=by, why=why,
-                                       evidence=self.evidence(key, fault) if fault or
+            key, decision, attempt, by, why, fault = args
+            return reliability.resolve(ws.sender, CALLER, key, decision, attempt=attempt, by=by,
+                                       why=why, evidence=self.evidence(key, fault) if fault or
                                        decision == "done" else None)
         except reliability.Conflict:
             return {"status": "conflict"}
@@ -907,10 +987,12 @@ class Editions:
             if "move it backwards" in str(error):
                 return {"status": "backwards", "low_water": ws.receiver.execute(
                     "SELECT low_water FROM retention").fetchone()[0]}
-            if "only an unknown or blocked row" in str(error):
-                return {"status": "refused", "state": ws.sender.execute(
-                    "SELECT state FROM outbox WHERE key = ?", (args[0],)).fetchone()[0],
-                    "reason": "only an unknown or blocked row is resolved by hand"}
+            for reason in REFUSED:
+                if str(error).startswith(reason):
+                    state, attempts = ws.sender.execute("SELECT state, attempts FROM outbox"
+                                                        " WHERE key = ?", (args[0],)).fetchone()
+                    return {"status": "refused", "state": state, "attempts": attempts,
+                            "reason": reason}
             return "invalid"
 
     def evidence(self, key, fault):
@@ -948,9 +1030,10 @@ class Editions:
             found = reliability.lookup_external(self.ws.external, CALLER, key)
             statement = call("article1.reconcile", CALLER, key, found, now, True)
         elif kind == "resolve":
-            key, decision, by, why, fault = args
+            key, decision, attempt, by, why, fault = args
             evidence = self.evidence(key, fault) if fault or decision == "done" else None
-            statement = call("article1.resolve", CALLER, key, decision, by, why, evidence)
+            statement = call("article1.resolve", CALLER, key, decision, attempt, by, why,
+                             evidence)
         elif kind == "claim":
             statement = call("article1.claim", args[0], os.getpid())
         else:
