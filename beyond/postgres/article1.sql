@@ -69,16 +69,18 @@ BEGIN
     END IF;
 END $$;
 
--- Tables are created only when missing, so a second load keeps the rows.  A later edition
--- whose tables differ says here how to upgrade; this file refuses a schema of another one.
+-- Tables are created only when missing, so a second load keeps the rows.  An edition whose
+-- tables differ says here how to upgrade from the one before; this file is edition 2, and
+-- refuses a schema of any edition but 1 and 2.  From 1: outbox.owner_host (below), and claim()
+-- and reconcile() take the claimer's machine.
 CREATE TABLE IF NOT EXISTS article1.edition (
     id integer PRIMARY KEY CHECK (id = 1),
     version integer NOT NULL);
-INSERT INTO article1.edition VALUES (1, 1) ON CONFLICT DO NOTHING;
+INSERT INTO article1.edition VALUES (1, 2) ON CONFLICT DO NOTHING;
 DO $$
 BEGIN
-    IF (SELECT version FROM article1.edition) <> 1 THEN
-        RAISE EXCEPTION 'article1 holds edition %, this file is edition 1',
+    IF (SELECT version FROM article1.edition) NOT IN (1, 2) THEN
+        RAISE EXCEPTION 'article1 holds edition %, this file is edition 2',
             (SELECT version FROM article1.edition);
     END IF;
 END $$;
@@ -96,8 +98,8 @@ CREATE TABLE IF NOT EXISTS article1.requests (
     PRIMARY KEY (caller, key),
     -- The outbox copies mode: this key lets it point at the intent's own mode.
     UNIQUE (caller, key, mode));
--- outbox: the row a worker claims (§5), in id order.  owner_pid is the claimer's process
--- on its own machine: only that machine can tell reconcile() whether it is gone.
+-- outbox: the row a worker claims (§5), in id order.  owner_pid is the claimer's process on
+-- the machine owner_host names: only that machine can tell reconcile() whether it is gone.
 CREATE TABLE IF NOT EXISTS article1.outbox (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     caller text NOT NULL,
@@ -109,9 +111,13 @@ CREATE TABLE IF NOT EXISTS article1.outbox (
     lease_until bigint,
     response jsonb,
     owner_pid integer,
+    owner_host text,
     UNIQUE (caller, key),
     FOREIGN KEY (caller, key, mode) REFERENCES article1.requests (caller, key, mode));
 CREATE INDEX IF NOT EXISTS outbox_due ON article1.outbox (state, lease_until);
+-- Edition 1 to 2: a row claimed under edition 1 keeps owner_host NULL.
+ALTER TABLE article1.outbox ADD COLUMN IF NOT EXISTS owner_host text;
+UPDATE article1.edition SET version = 2 WHERE version = 1;
 -- resolutions: a person's decisions on unknown or blocked rows, an audit trail.
 CREATE TABLE IF NOT EXISTS article1.resolutions (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -269,16 +275,23 @@ END $$;
 -- way, as in reliability.claim, each due row before the one it takes is parked: an external
 -- one past its lease becomes unknown (§6); one unanswered 10 times since a person last
 -- decided, or whose payload is not the canonical text of its digest, becomes blocked.
--- p_owner_pid is the claimer's process id on its machine, for reconcile()'s caller.
-CREATE OR REPLACE FUNCTION article1.claim(p_now numeric, p_owner_pid numeric) RETURNS jsonb
+-- p_owner_pid is the claimer's process id on the machine p_owner_host names, recorded for
+-- reconcile()'s caller: a pid alone says nothing once claimers run on several machines.
+-- The edition before took no machine: its claim() and reconcile() go, or they would stay
+-- callable.
+DROP FUNCTION IF EXISTS article1.claim(numeric, numeric);
+DROP FUNCTION IF EXISTS article1.reconcile(text, text, text, numeric, boolean);
+CREATE OR REPLACE FUNCTION article1.claim(p_now numeric, p_owner_pid numeric,
+                                          p_owner_host text) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v record;
     v_now bigint;
 BEGIN
     PERFORM check_ticks(0, p_now);
-    IF NOT coalesce(scale(p_owner_pid) = 0 AND p_owner_pid BETWEEN 1 AND 2147483647, false) THEN
-        RAISE EXCEPTION 'owner_pid must be a process id' USING ERRCODE = '22023';
+    PERFORM check_owner(p_owner_pid, p_owner_host);
+    IF p_owner_host IS NULL THEN
+        RAISE EXCEPTION 'owner_host must name the claimer''s machine' USING ERRCODE = '22023';
     END IF;
     -- A bigint, so that lease_until and issued_at are compared by their own type's index.
     v_now := p_now;
@@ -310,7 +323,7 @@ BEGIN
              WHERE id = v.id;
         ELSE
             UPDATE outbox SET state = 'inflight', attempts = attempts + 1,
-                   lease_until = v_now + 10, owner_pid = p_owner_pid
+                   lease_until = v_now + 10, owner_pid = p_owner_pid, owner_host = p_owner_host
              WHERE id = v.id;
             RETURN jsonb_build_object('status', 'claimed', 'caller', v.caller, 'key', v.key,
                                       'attempt', v.attempts + 1, 'mode', v.mode,
@@ -363,16 +376,22 @@ END $$;
 -- === beyond 第一篇: leaving unknown, by evidence or by a person ============================
 -- 工具在 PostgreSQL 之外：对账的证据由调用方带来；人的决定连同审计行一起写下，审计行不改不删。
 -- The external tool is outside PostgreSQL, so the caller brings its evidence, in this order:
--- 1. on the machine of the row's owner_pid, check that the claimer (and any tool child it
---    started) is gone: p_gone; only that machine can know, PostgreSQL cannot;
+-- 1. read the row's owner_pid and owner_host, and on that machine check that the claimer
+--    (and any tool child it started) is gone: p_gone, about p_owner_pid on p_owner_host;
+--    only that machine can know, PostgreSQL cannot;
 -- 2. then ask the tool's own lookup for (caller, key): p_found, the JSON array of the
 --    responses it holds, each {"caller", "key", "digest", "ticket_id"};
 -- 3. then call reconcile.  Once nobody can act, a ticket found absent stays absent.
 -- One ticket with the request's digest makes the row done with it; none sends it back to
--- pending, only once the lease has ended and p_gone is true; anything less certain leaves it
--- unknown.  Returns {"status": the row's state, "reason" or "response"}.
+-- pending, only once the lease has ended and p_gone is true of the row's own claimer (a
+-- claimer checked before a person's retry and a later claim is not the one that may act);
+-- anything less certain leaves it unknown.  Returns {"status": the row's state, "reason" or
+-- "response"}.  The owner may be NULL where p_gone is false; a row claimed under edition 1
+-- recorded no host, and is named with p_owner_host NULL.
 CREATE OR REPLACE FUNCTION article1.reconcile(p_caller text, p_key text, p_found text,
-                                              p_now numeric, p_gone boolean) RETURNS jsonb
+                                              p_now numeric, p_gone boolean,
+                                              p_owner_pid numeric, p_owner_host text)
+RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_found jsonb;
@@ -384,7 +403,11 @@ BEGIN
     IF p_gone IS NULL THEN
         RAISE EXCEPTION 'gone must be true or false' USING ERRCODE = '22023';
     END IF;
-    SELECT o.state, o.attempts, o.lease_until, r.digest INTO v_row
+    IF p_gone THEN
+        PERFORM check_owner(p_owner_pid, p_owner_host);
+    END IF;
+    -- Locked: a person's decision racing this call waits, or is waited for and then seen.
+    SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.owner_host, r.digest INTO v_row
       FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key
      WHERE o.caller = p_caller AND o.key = p_key
        FOR UPDATE OF o;
@@ -396,7 +419,8 @@ BEGIN
                                   'reason', 'not unknown: nothing to reconcile');
     END IF;
     IF jsonb_array_length(v_found) = 1 AND v_found -> 0 ->> 'digest' = v_row.digest THEN
-        UPDATE outbox SET state = 'done', response = v_found -> 0, owner_pid = NULL
+        UPDATE outbox SET state = 'done', response = v_found -> 0, owner_pid = NULL,
+               owner_host = NULL
          WHERE caller = p_caller AND key = p_key;
         RETURN jsonb_build_object('status', 'done', 'response', v_found -> 0);
     END IF;
@@ -408,7 +432,13 @@ BEGIN
         RETURN jsonb_build_object('status', 'unknown', 'reason',
                                   'no ticket yet, but the unanswered attempt may still act');
     END IF;
-    UPDATE outbox SET state = 'pending', owner_pid = NULL WHERE caller = p_caller AND key = p_key;
+    IF (v_row.owner_pid, v_row.owner_host) IS DISTINCT FROM (p_owner_pid, p_owner_host) THEN
+        RETURN jsonb_build_object('status', 'unknown', 'reason', format(
+            'gone is about another claimer: this attempt''s is pid %s on %s',
+            v_row.owner_pid, coalesce(v_row.owner_host, 'a machine edition 1 did not record')));
+    END IF;
+    UPDATE outbox SET state = 'pending', owner_pid = NULL, owner_host = NULL
+     WHERE caller = p_caller AND key = p_key;
     RETURN jsonb_build_object('status', 'pending',
                               'reason', 'proven absent: retry under the same key');
 END $$;
@@ -496,7 +526,8 @@ BEGIN
     IF p_evidence IS NOT NULL THEN
         v_evidence := response_of(p_evidence, p_caller, p_key, v_row.digest);
     END IF;
-    UPDATE outbox SET state = v_state, response = v_evidence, owner_pid = NULL
+    UPDATE outbox SET state = v_state, response = v_evidence, owner_pid = NULL,
+           owner_host = NULL
      WHERE caller = p_caller AND key = p_key;
     -- The attempt it was decided at: claim() counts 10 attempts from here.
     INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason, evidence)
@@ -544,6 +575,19 @@ BEGIN
     IF NOT coalesce(length(p_caller) BETWEEN 1 AND 200 AND length(p_key) BETWEEN 1 AND 200,
                     false) THEN
         RAISE EXCEPTION 'caller and key must have 1 to 200 characters' USING ERRCODE = '22023';
+    END IF;
+END $$;
+
+-- The claimer a claim records, or the one a reconcile's evidence is about: a process id, and
+-- a name of its machine (NULL only where a row claimed under edition 1 recorded none).
+CREATE OR REPLACE FUNCTION article1.check_owner(p_pid numeric, p_host text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
+BEGIN
+    IF NOT coalesce(scale(p_pid) = 0 AND p_pid BETWEEN 1 AND 2147483647, false) THEN
+        RAISE EXCEPTION 'owner_pid must be a process id' USING ERRCODE = '22023';
+    END IF;
+    IF length(p_host) NOT BETWEEN 1 AND 255 THEN
+        RAISE EXCEPTION 'owner_host must have 1 to 255 characters' USING ERRCODE = '22023';
     END IF;
 END $$;
 

@@ -25,6 +25,8 @@ from beyond.postgres.harness import (  # noqa: E402
     CLIENTS, FILLER, LEVELS, MIXED, ROUNDS, SETTINGS, call, isolate, literal, query, race, value)
 
 CALLER = "agent"
+# The machine the tests' claimers say they run on.
+HOST = "test-host"
 
 
 # === 第一篇 §3: one ticket per request ID, at every isolation level ============================
@@ -178,8 +180,9 @@ class ClaimTest(harness.TestCase):
             enqueued, _ = race(self.session, racers, calls)
             self.assertEqual(sorted(a["status"] for a in enqueued),
                              ["accepted"] + ["duplicate"] * 15)
-            claimed, _ = race(self.session, racers,
-                              [call("article1.claim", t, 5000 + i) for i in range(CLIENTS)])
+            # Each claimer a process of its own machine.
+            claimed, _ = race(self.session, racers, [call("article1.claim", t, 5000 + i,
+                                                          f"host-{i}") for i in range(CLIENTS)])
             winners = {i: a for i, a in enumerate(claimed) if a["status"] == "claimed"}
             self.assertEqual(sorted((a["key"], a["attempt"]) for a in winners.values()),
                              [(f"X-{r}", 13), (f"Y-{r}", 1)], "one winner per due row")
@@ -195,10 +198,10 @@ class ClaimTest(harness.TestCase):
             # Both copies of the current attempt's acknowledgement are acknowledged: the second
             # is a replay of the first; every other one changes nothing.
             self.assertEqual(statuses, ["refused"] * 2 + ["acknowledged"] * 3 + ["refused"] * 11)
-            owner = next(5000 + i for i, a in winners.items() if a["key"] == f"X-{r}")
-            self.assertEqual(query(self.session, "SELECT lease_until, owner_pid FROM"
+            winner = next(i for i, a in winners.items() if a["key"] == f"X-{r}")
+            self.assertEqual(query(self.session, "SELECT lease_until, owner_pid, owner_host FROM"
                                    f" article1.outbox WHERE key = 'X-{r}'"),
-                             [[str(t + 10), str(owner)]])
+                             [[str(t + 10), str(5000 + winner), f"host-{winner}"]])
         rows = {key: (state, int(attempts)) for key, state, attempts in
                 query(self.session, "SELECT key, state, attempts FROM article1.outbox")}
         self.assertEqual({key: rows[key] for key in expected}, expected)
@@ -209,25 +212,25 @@ class ClaimTest(harness.TestCase):
         s = self.session
         for key, mode in (("a", "idempotent"), ("b", "external"), ("c", "external")):
             value(s, call("article1.enqueue", CALLER, key, {"k": key}, 0, mode))
-        self.assertEqual([value(s, call("article1.claim", 0, 1))["key"] for _ in "abc"],
+        self.assertEqual([value(s, call("article1.claim", 0, 1, HOST))["key"] for _ in "abc"],
                          ["a", "b", "c"])
-        self.assertEqual(value(s, call("article1.claim", 9, 1)),
+        self.assertEqual(value(s, call("article1.claim", 9, 1, HOST)),
                          {"status": "nothing due", "now": 9})
         self.assertEqual(states(s), {"a": ("inflight", 1), "b": ("inflight", 1),
                                      "c": ("inflight", 1)}, "inside the lease")
-        claimed = value(s, call("article1.claim", 10, 1))
+        claimed = value(s, call("article1.claim", 10, 1, HOST))
         self.assertEqual((claimed["key"], claimed["attempt"]), ("a", 2))
         self.assertEqual(states(s), {"a": ("inflight", 2), "b": ("inflight", 1),
                                      "c": ("inflight", 1)}, "b and c lie after the claimed row")
-        self.assertEqual(value(s, call("article1.claim", 10, 1)), {"status": "nothing due",
-                                                                   "now": 10})
+        self.assertEqual(value(s, call("article1.claim", 10, 1, HOST)),
+                         {"status": "nothing due", "now": 10})
         self.assertEqual(states(s), {"a": ("inflight", 2), "b": ("unknown", 1),
                                      "c": ("unknown", 1)}, "at the lease end, not a tick later")
 
     def test_an_acknowledgement_replayed_after_a_lost_reply_answers_acknowledged_again(self):
         s = self.session
         value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
-        value(s, call("article1.claim", 0, 1))
+        value(s, call("article1.claim", 0, 1, HOST))
         good = response_of(s, "k")
         other = dict(json.loads(good), ticket_id=8)
         self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
@@ -245,7 +248,7 @@ class ClaimTest(harness.TestCase):
         # Attempts count from 1 to 2^62: 0, -1 and 1e400 are bad input, not late attempts.
         s = self.session
         value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
-        value(s, call("article1.claim", 0, 1))
+        value(s, call("article1.claim", 0, 1, HOST))
         good = response_of(s, "k")
         with python_workspace() as ws:
             # SQL's text of each attempt, and what Python's json reads it as.
@@ -260,6 +263,37 @@ class ClaimTest(harness.TestCase):
                          [["inflight", "1"]])
         self.assertEqual(value(s, call("article1.acknowledge", CALLER, "k", 1, good)),
                          {"status": "acknowledged"})
+
+
+# === beyond 第一篇: leaving unknown, with claimers on several machines ========================
+
+class ReconcileTest(harness.TestCase):
+    """reconcile() takes gone as evidence only about the claimer the row records, on its
+    machine, once its lease is over."""
+
+    def test_gone_counts_only_for_the_claimer_and_machine_the_row_records(self):
+        # Claimers run on several machines, where pids repeat.  A person retries attempt 1;
+        # a claim on another machine sends attempt 2.  Evidence gathered about attempt 1's
+        # claimer is then about a process that may not act, not about the one that may.
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "x", {"t": 1}, 0, "external"))
+        self.assertEqual(value(s, call("article1.claim", 0, 7, "host-a"))["attempt"], 1)
+        self.assertEqual(value(s, call("article1.claim", 10, 9, "host-c"))["status"],
+                         "nothing due")
+        self.assertEqual(owner(s, "x"), ["unknown", "1", "7", "host-a"])
+        for pid, host in ((7, "host-b"), (8, "host-a")):
+            self.assertEqual(reconcile(s, "x", 10, True, pid, host), {
+                "status": "unknown", "reason": "gone is about another claimer: this attempt's"
+                " is pid 7 on host-a"}, (pid, host))
+        value(s, call("article1.resolve", CALLER, "x", "retry", 1, "ops", "tool down"))
+        self.assertEqual(value(s, call("article1.claim", 10, 7, "host-b"))["attempt"], 2)
+        self.assertEqual(value(s, call("article1.claim", 20, 9, "host-c"))["status"],
+                         "nothing due")
+        self.assertEqual(owner(s, "x"), ["unknown", "2", "7", "host-b"])
+        self.assertEqual(reconcile(s, "x", 20, True, 7, "host-a")["status"], "unknown")
+        self.assertEqual(reconcile(s, "x", 20, True, 7, "host-b"), {
+            "status": "pending", "reason": "proven absent: retry under the same key"})
+        self.assertEqual(owner(s, "x"), ["pending", "2", "", ""])
 
 
 # === beyond 第一篇: reconcile, resolve and purge, step by step with reliability.py ==============
@@ -379,8 +413,8 @@ class StepByStepTest(harness.TestCase):
     def test_a_decision_is_never_rewritten_and_replayed_after_a_lost_reply_answers_the_same(self):
         s = self.session
         value(s, call("article1.enqueue", CALLER, "e", {"t": 1}, 0, "external"))
-        value(s, call("article1.claim", 0, 1))
-        value(s, call("article1.claim", 10, 1))
+        value(s, call("article1.claim", 0, 1, HOST))
+        value(s, call("article1.claim", 10, 1, HOST))
         decide = call("article1.resolve", CALLER, "e", "retry", 1, "ops", "the tool was down")
         self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1})
         self.assertEqual(value(s, decide), {"status": "pending", "resolution": 1}, "a replay")
@@ -401,9 +435,9 @@ class StepByStepTest(harness.TestCase):
         value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
         query(s, "UPDATE article1.requests SET payload = '{\"tampered\":1}'")
         retry = call("article1.resolve", CALLER, "k", "retry", 0, "ops", "fixed, I think")
-        self.assertEqual(value(s, call("article1.claim", 0, 1))["status"], "nothing due")
+        self.assertEqual(value(s, call("article1.claim", 0, 1, HOST))["status"], "nothing due")
         self.assertEqual(value(s, retry), {"status": "pending", "resolution": 1})
-        self.assertEqual(value(s, call("article1.claim", 0, 1))["status"], "nothing due")
+        self.assertEqual(value(s, call("article1.claim", 0, 1, HOST))["status"], "nothing due")
         self.assertEqual(value(s, retry), {"status": "refused", "state": "blocked", "attempts": 0,
                                            "reason": REFUSED[2]})
         self.assertEqual(query(s, "SELECT count(*) FROM article1.resolutions"), [["1"]])
@@ -533,8 +567,10 @@ class CanonicalTest(harness.TestCase):
             "SELECT article1.receive('agent', 'k', '{}', NULL, 2)",
             call("article1.enqueue", CALLER, "k", one, 0, "other"),
             call("article1.enqueue", CALLER, "k", one, 0, None),
-            call("article1.claim", -1, 1), "SELECT article1.claim(2.5, 1)",
-            call("article1.claim", 1, 0), "SELECT article1.claim(1, 1.5)",
+            call("article1.claim", -1, 1, HOST), "SELECT article1.claim(2.5, 1, 'h')",
+            call("article1.claim", 1, 0, HOST), "SELECT article1.claim(1, 1.5, 'h')",
+            call("article1.claim", 1, 1, None), call("article1.claim", 1, 1, ""),
+            call("article1.claim", 1, 1, "h" * 256),
             call("article1.purge", 5, 6), call("article1.purge", 5, 0),
             "SELECT article1.purge(5, 1.5)",
             call("article1.acknowledge", CALLER, "nothing", 1, good),
@@ -542,10 +578,12 @@ class CanonicalTest(harness.TestCase):
             call("article1.acknowledge", CALLER, "e", 1, dict(json.loads(good), ticket_id=1.0)),
             call("article1.acknowledge", CALLER, "e", 1, dict(json.loads(good), ticket_id=1e3)),
             "SELECT article1.acknowledge('agent', 'e', 1.5, '{}')",
-            call("article1.reconcile", CALLER, "e", "[]", 0, None),
-            call("article1.reconcile", CALLER, "e", "{}", 0, True),
-            call("article1.reconcile", CALLER, "e", '[{"caller": "agent"}]', 0, True),
-            call("article1.reconcile", CALLER, "e", '[{"\\u0000": 1}]', 0, True),
+            call("article1.reconcile", CALLER, "e", "[]", 0, None, 1, HOST),
+            call("article1.reconcile", CALLER, "e", "{}", 0, True, 1, HOST),
+            call("article1.reconcile", CALLER, "e", '[{"caller": "agent"}]', 0, True, 1, HOST),
+            call("article1.reconcile", CALLER, "e", '[{"\\u0000": 1}]', 0, True, 1, HOST),
+            call("article1.reconcile", CALLER, "e", "[]", 0, True, None, HOST),
+            call("article1.reconcile", CALLER, "e", "[]", 0, True, 1, ""),
             call("article1.resolve", CALLER, "e", "retry", 0, "", "why"),
             call("article1.resolve", CALLER, "e", "done", 0, "ops", "why"),
             call("article1.resolve", CALLER, "e", "retry", 0, "ops", "why", good),
@@ -577,10 +615,35 @@ class LoadTest(harness.TestCase):
                                              " (SELECT count(*) FROM article7.retention)"),
                          [["1", "0", "1"]])
         self.assertEqual(value(self.session, receive("k", {"t": 1}, 0, 1))["status"], "ticket")
-        query(self.session, "UPDATE article1.edition SET version = 2")
+        query(self.session, "UPDATE article1.edition SET version = 3")
         code, errors = harness.load(harness.ARTICLES["article1"], self.database)
         self.assertEqual(code, 3)
-        self.assertIn("article1 holds edition 2, this file is edition 1", errors)
+        self.assertIn("article1 holds edition 3, this file is edition 2", errors)
+
+    def test_a_schema_of_edition_1_is_upgraded_in_place_and_keeps_every_row(self):
+        # Edition 1 had no owner_host, and claim() and reconcile() without the machine.
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0, "external"))
+        value(s, call("article1.claim", 0, 7, HOST))
+        query(s, "ALTER TABLE article1.outbox DROP COLUMN owner_host;"
+                 " UPDATE article1.edition SET version = 1;"
+                 " CREATE FUNCTION article1.claim(numeric, numeric) RETURNS jsonb LANGUAGE sql"
+                 " AS $$ SELECT '{}'::jsonb $$; CREATE FUNCTION article1.reconcile(text, text,"
+                 " text, numeric, boolean) RETURNS jsonb LANGUAGE sql AS $$ SELECT '{}'::jsonb $$")
+        self.assertEqual(harness.load(harness.ARTICLES["article1"], self.database), (0, ""))
+        self.assertEqual(query(s, "SELECT version FROM article1.edition"), [["2"]])
+        self.assertEqual(query(s, "SELECT state, attempts, owner_pid, owner_host FROM"
+                                  " article1.outbox"), [["inflight", "1", "7", ""]])
+        self.assertEqual(query(s, "SELECT oid::regprocedure FROM pg_proc WHERE pronamespace ="
+                                  " 'article1'::regnamespace AND proname IN ('claim',"
+                                  " 'reconcile') ORDER BY 1"),
+                         [["article1.claim(numeric,numeric,text)"],
+                          ["article1.reconcile(text,text,text,numeric,boolean,numeric,text)"]])
+        # The row claimed under edition 1 recorded no machine: its evidence names none.
+        self.assertEqual(value(s, call("article1.claim", 10, 1, HOST))["status"], "nothing due")
+        self.assertEqual(value(s, call("article1.reconcile", CALLER, "k", [], 10, True, 7, None)),
+                         {"status": "pending",
+                          "reason": "proven absent: retry under the same key"})
 
     def test_a_schema_another_role_made_first_refuses_the_load_and_nothing_of_ours_is_made(self):
         # A role with CREATE on the database makes the schema first, with a helper of its own:
@@ -731,6 +794,18 @@ def objects(session, schema):
                           f" {literal(schema)}::regnamespace UNION ALL SELECT 'function',"
                           f" proowner FROM pg_proc WHERE pronamespace = {literal(schema)}"
                           "::regnamespace) o ORDER BY 1, 2")
+
+
+def reconcile(session, key, now, gone, pid, host, found=()):
+    """article1.reconcile's answer for ``key``: the tool holds ``found``."""
+    return value(session, call("article1.reconcile", CALLER, key, list(found), now, gone, pid,
+                               host))
+
+
+def owner(session, key):
+    """[state, attempts, owner_pid, owner_host] of ``key``'s outbox row ('' for NULL)."""
+    return query(session, "SELECT state, attempts, owner_pid, owner_host FROM article1.outbox"
+                          f" WHERE key = {literal(key)}")[0]
 
 
 def canonical_in_sql(session, texts):
@@ -1028,14 +1103,16 @@ class Editions:
         elif kind == "reconcile":
             key, now = args
             found = reliability.lookup_external(self.ws.external, CALLER, key)
-            statement = call("article1.reconcile", CALLER, key, found, now, True)
+            # This process claimed every row, and counts as gone, as reliability.py's does.
+            statement = call("article1.reconcile", CALLER, key, found, now, True, os.getpid(),
+                             HOST)
         elif kind == "resolve":
             key, decision, attempt, by, why, fault = args
             evidence = self.evidence(key, fault) if fault or decision == "done" else None
             statement = call("article1.resolve", CALLER, key, decision, attempt, by, why,
                              evidence)
         elif kind == "claim":
-            statement = call("article1.claim", args[0], os.getpid())
+            statement = call("article1.claim", args[0], os.getpid(), HOST)
         else:
             statement = call("article1." + kind, *args)
         state, answer = harness.outcome(s, statement)
