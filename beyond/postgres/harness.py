@@ -375,6 +375,24 @@ def wait_until(client, sql):
         time.sleep(0.002)
 
 
+def waits(control, pid, marker):
+    """Whether the session ``pid``, once it runs the statement holding ``marker``, waits on a
+    lock (True) or ends it (False), as pg_stat_activity shows; fail after SILENCE seconds of
+    neither.  The marker tells that statement from the one before."""
+    sql = (f"SELECT CASE WHEN position({literal(marker)} IN query) = 0 THEN ''"
+           " WHEN wait_event_type = 'Lock' THEN 'waits' WHEN state <> 'active' THEN 'ended'"
+           f" ELSE '' END FROM pg_stat_activity WHERE pid = {pid}")
+    deadline = time.monotonic() + SILENCE
+    while True:
+        seen = value(control, sql)
+        if seen:
+            return seen == "waits"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"session {pid} neither waits nor ends {marker!r} after"
+                                 f" {SILENCE:g} s")
+        time.sleep(0.002)
+
+
 def state_of(client, sql):
     """The SQLSTATE ``sql`` ended with: '00000' when it succeeded."""
     return outcome(client, sql)[0]

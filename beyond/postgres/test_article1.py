@@ -133,6 +133,23 @@ class ReceiveTest(harness.TestCase):
                                " GROUP BY key HAVING count(*) > 1"), [])
 
 
+    def test_a_purge_called_again_at_the_same_mark_answers_purged_with_nothing_deleted(self):
+        # After a lost reply the same purge comes again: the mark does not move back, so it is
+        # no refusal.  Python's purge answers the same.
+        s = self.session
+        value(s, receive("k", {"t": 1}, 3, 3))
+        first = value(s, call("article1.purge", 10, 5))
+        self.assertEqual(first, {"status": "purged", "deleted": 1, "low_water": 5})
+        self.assertEqual(value(s, call("article1.purge", 10, 5)),
+                         {"status": "purged", "deleted": 0, "low_water": 5})
+        self.assertEqual(value(s, call("article1.purge", 12, 7)),
+                         {"status": "purged", "deleted": 0, "low_water": 5})
+        with python_workspace() as ws:
+            reliability.purge(ws.receiver, 10, 5)
+            self.assertEqual(reliability.purge(ws.receiver, 12, 7),
+                             {"deleted": 0, "low_water": 5})
+
+
 # === 第一篇 §2, §5: the sender's outbox, claimed by racing workers =============================
 
 class ClaimTest(harness.TestCase):
@@ -265,6 +282,58 @@ class ClaimTest(harness.TestCase):
                          {"status": "acknowledged"})
 
 
+    def test_a_claim_skips_a_row_another_claim_holds_and_takes_the_next_without_waiting(self):
+        # Deterministic: the first claim's transaction stays open on row a; the second claim
+        # neither waits for it nor takes a: it takes b at once.
+        s, first, second = self.session, self.client(), self.client()
+        for key in "abc":
+            value(s, call("article1.enqueue", CALLER, key, {"k": key}, 0))
+        self.assertEqual(value(first, "BEGIN; " + call("article1.claim", 0, 1, HOST))["key"],
+                         "a")
+        pid = value(second, "SELECT pg_backend_pid()")
+        harness.send(second, call("article1.claim", 0, 2, HOST))
+        waited = harness.waits(s, pid, "article1.claim(")
+        query(first, "COMMIT")
+        answer = harness.reply(second)
+        self.assertFalse(waited, "the second claim waited for the first")
+        self.assertEqual((harness.parsed(answer.rows[0][0])["key"], states(s)),
+                         ("b", {"a": ("inflight", 1), "b": ("inflight", 1),
+                                "c": ("pending", 0)}))
+
+    def test_a_stored_payload_respaced_is_not_sent_but_blocked_as_corrupt(self):
+        # Its digest is still the canonical text's, but what a claim hands out is sent as it
+        # is: only the canonical text itself may go.
+        s = self.session
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
+        query(s, "UPDATE article1.requests SET payload = '{\"t\": 1}'")
+        self.assertEqual(value(s, call("article1.claim", 0, 1, HOST)),
+                         {"status": "nothing due", "now": 0})
+        self.assertEqual(query(s, "SELECT state, attempts, response->>'error' FROM"
+                                  " article1.outbox"),
+                         [["blocked", "0", "corrupt intent: not the text, payload and digest"
+                                           " enqueue() stores"]])
+
+    def test_a_second_response_racing_the_first_for_one_attempt_is_refused(self):
+        # Deterministic: the first acknowledgement holds the row, uncommitted; a second one,
+        # for the same attempt with another ticket, is seen waiting, then the first commits.
+        # The second then finds the row done with the first response: refused.
+        s, first, second = self.session, self.client(), self.client()
+        value(s, call("article1.enqueue", CALLER, "k", {"t": 1}, 0))
+        value(s, call("article1.claim", 0, 1, HOST))
+        good = json.loads(response_of(s, "k"))
+        query(first, "BEGIN; " + call("article1.acknowledge", CALLER, "k", 1, good))
+        pid = value(second, "SELECT pg_backend_pid()")
+        harness.send(second, call("article1.acknowledge", CALLER, "k", 1,
+                                  dict(good, ticket_id=8)))
+        self.assertTrue(harness.waits(s, pid, "article1.acknowledge("))
+        query(first, "COMMIT")
+        answer = harness.reply(second)
+        self.assertEqual((answer.state, harness.parsed(answer.rows[0][0])),
+                         ("00000", {"status": "refused", "state": "done", "attempts": 1}))
+        self.assertEqual(query(s, "SELECT state, response->>'ticket_id' FROM article1.outbox"),
+                         [["done", "7"]])
+
+
 # === beyond 第一篇: leaving unknown, with claimers on several machines ========================
 
 class ReconcileTest(harness.TestCase):
@@ -294,6 +363,58 @@ class ReconcileTest(harness.TestCase):
         self.assertEqual(reconcile(s, "x", 20, True, 7, "host-b"), {
             "status": "pending", "reason": "proven absent: retry under the same key"})
         self.assertEqual(owner(s, "x"), ["pending", "2", "", ""])
+
+
+    def test_absence_is_proof_only_from_the_lease_end_on_and_only_with_the_claimer_gone(self):
+        # The lease runs to tick 10: at tick 9 the claimer may still act, from tick 10 on it may
+        # not, and then only if it is gone.
+        s = self.session
+        unknown_row(s, "x")
+        self.assertEqual(owner(s, "x"), ["unknown", "1", "7", "host-a"])
+        may_act = {"status": "unknown",
+                   "reason": "no ticket yet, but the unanswered attempt may still act"}
+        self.assertEqual(reconcile(s, "x", 9, True, 7, "host-a"), may_act, "inside the lease")
+        self.assertEqual(reconcile(s, "x", 10, False, 7, "host-a"), may_act, "not gone")
+        self.assertEqual(reconcile(s, "x", 10 ** 6, False, None, None), may_act, "not gone")
+        self.assertEqual(reconcile(s, "x", 10, True, 7, "host-a"), {
+            "status": "pending", "reason": "proven absent: retry under the same key"})
+
+    def test_a_ticket_settles_the_row_only_when_it_is_the_one_ticket_of_this_payload(self):
+        s = self.session
+        unknown_row(s, "x")
+        digest = value(s, "SELECT digest FROM article1.requests WHERE key = 'x'")
+        mine = {"caller": CALLER, "key": "x", "digest": digest, "ticket_id": 3}
+        other = dict(mine, digest=reliability.canonical({"t": 2})[1], ticket_id=4)
+        for found in ([other], [mine, dict(mine, ticket_id=5)], [other, mine]):
+            self.assertEqual(reconcile(s, "x", 10, True, 7, "host-a", found), {
+                "status": "unknown", "reason": f"the tool holds {len(found)} ticket(s) that do"
+                " not settle it"}, found)
+        self.assertEqual(reconcile(s, "x", 0, False, None, None, [mine]),
+                         {"status": "done", "response": mine})
+        self.assertEqual(query(s, "SELECT state, response->>'ticket_id' FROM article1.outbox"),
+                         [["done", "3"]])
+
+    def test_a_persons_decision_racing_reconcile_stands_and_reconcile_answers_what_it_made(self):
+        # Deterministic: the person's done holds the row, uncommitted; reconcile, with absence
+        # proven, is seen waiting; then the decision commits.  reconcile then finds the row
+        # done, and leaves it so: not pending under the person's audit row.
+        s, person, reconciler = self.session, self.client(), self.client()
+        unknown_row(s, "x")
+        digest = value(s, "SELECT digest FROM article1.requests WHERE key = 'x'")
+        seen = {"caller": CALLER, "key": "x", "digest": digest, "ticket_id": 3}
+        query(person, "BEGIN; " + call("article1.resolve", CALLER, "x", "done", 1, "ops",
+                                       "seen in the tool", seen))
+        pid = value(reconciler, "SELECT pg_backend_pid()")
+        harness.send(reconciler, call("article1.reconcile", CALLER, "x", [], 10, True, 7,
+                                      "host-a"))
+        self.assertTrue(harness.waits(s, pid, "article1.reconcile("), "reconcile waits")
+        query(person, "COMMIT")
+        answer = harness.reply(reconciler)
+        self.assertEqual((answer.state, harness.parsed(answer.rows[0][0])),
+                         ("00000", {"status": "done", "reason": "not unknown: nothing to"
+                                                                " reconcile"}))
+        self.assertEqual(query(s, "SELECT state, response->>'ticket_id' FROM article1.outbox"),
+                         [["done", "3"]])
 
 
 # === beyond 第一篇: reconcile, resolve and purge, step by step with reliability.py ==============
@@ -794,6 +915,13 @@ def objects(session, schema):
                           f" {literal(schema)}::regnamespace UNION ALL SELECT 'function',"
                           f" proowner FROM pg_proc WHERE pronamespace = {literal(schema)}"
                           "::regnamespace) o ORDER BY 1, 2")
+
+
+def unknown_row(session, key):
+    """An external row claimed at tick 0 by pid 7 on host-a (lease to 10), then unknown."""
+    value(session, call("article1.enqueue", CALLER, key, {"t": 1}, 0, "external"))
+    value(session, call("article1.claim", 0, 7, "host-a"))
+    value(session, call("article1.claim", 10, 9, "host-c"))
 
 
 def reconcile(session, key, now, gone, pid, host, found=()):
