@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -163,6 +164,51 @@ class ExecuteTest(harness.TestCase):
                          {"status": "insufficient", "available": 0})
 
 
+    def test_opposite_plans_queued_behind_a_held_row_neither_deadlock_nor_fail(self):
+        # Deterministic: a third session holds row A.  A plan A -> B waits for it, then a plan
+        # B -> A is sent.  Locking in name order, that one waits for A too, holding nothing.
+        # Locking its source first, it would hold B; once A is free the first plan would wait
+        # for B: a deadlock, 40P01, which the races' retry would hide.
+        seed(self.session, {"A": 10, "B": 10})
+        holder, forth, back = self.client(), self.client(), self.client()
+        query(holder, "BEGIN; SELECT 1 FROM article7.resources WHERE name = 'A' FOR UPDATE")
+        for client, (src, dst) in ((forth, ("A", "B")), (back, ("B", "A"))):
+            pid = value(client, "SELECT pg_backend_pid()")
+            harness.send(client, execute(src + dst, plan(1, 1, 1, src, dst), 0, 0))
+            waiting(self.session, pid)
+        query(holder, "COMMIT")
+        answers = [harness.reply(client) for client in (forth, back)]
+        self.assertEqual([answer.state for answer in answers], ["00000", "00000"])
+        self.assertEqual(sorted(harness.parsed(a.rows[0][0])["status"] for a in answers),
+                         ["applied", "stale"])
+
+    def test_a_copy_waiting_for_the_rows_of_its_op_in_flight_answers_replayed(self):
+        # Deterministic, at READ COMMITTED: a trigger holds op X after it took the rows and read
+        # history; a copy of X is seen waiting for the rows, then X commits.  The copy reads
+        # history once the rows are its own: replayed.  Read before them, it would find no
+        # receipt, decide, and raise 23505 at X's (which the races' retry would hide).
+        seed(self.session, {"A": 10, "B": 0})
+        query(self.session, "CREATE FUNCTION public.hold() RETURNS trigger LANGUAGE plpgsql AS $$"
+                            " BEGIN PERFORM pg_advisory_lock_shared(7401, 2);"
+                            " PERFORM pg_advisory_unlock_shared(7401, 2); RETURN NEW; END $$;"
+                            " CREATE TRIGGER hold BEFORE INSERT ON article7.effects FOR EACH ROW"
+                            " EXECUTE FUNCTION public.hold()")
+        held, copy = self.client("read committed"), self.client("read committed")
+        pids = [value(c, "SELECT pg_backend_pid()") for c in (held, copy)]
+        query(self.session, "SELECT pg_advisory_lock(7401, 2)")
+        for client, pid in zip((held, copy), pids):
+            harness.send(client, execute("X", plan(1, 1, 3), 0, 0))
+            waiting(self.session, pid)
+        query(self.session, "SELECT pg_advisory_unlock(7401, 2)")
+        applied = {"status": "applied", "revisions": {"A": 2, "B": 2},
+                   "quantities": {"A": 7, "B": 3}}
+        answers = [harness.reply(client) for client in (held, copy)]
+        self.assertEqual([(a.state, harness.parsed(a.rows[0][0]) if a.rows else None)
+                          for a in answers],
+                         [("00000", applied), ("00000", {"status": "replayed",
+                                                         "result": applied})])
+
+
 # === beyond 第七篇: receipts that are not kept forever ==========================================
 
 class PurgeTest(harness.TestCase):
@@ -250,6 +296,46 @@ class PurgeTest(harness.TestCase):
             self.assertEqual(query(self.session, "SELECT count(*) FROM article7.effects"
                                                  f" WHERE op = '{op}'"), [["0"]], level)
         self.assertEqual(resources(self.session, "A", "B"), ((10, 1), (0, 1)))
+
+    def test_a_purge_waits_for_a_change_in_flight_so_an_op_is_never_decided_twice(self):
+        # As for execute: a trigger holds a change of op X after its history read.  Meanwhile X
+        # is decided for a missing resource, and a purge comes: it waits for the held change.
+        # Had it not, it would delete that receipt, and the held change would decide X again.
+        seed(self.session, {"C": 5})
+        query(self.session, "CREATE FUNCTION public.hold() RETURNS trigger LANGUAGE plpgsql AS $$"
+                            " BEGIN PERFORM pg_advisory_lock_shared(7401, 1);"
+                            " PERFORM pg_advisory_unlock_shared(7401, 1); RETURN NEW; END $$;"
+                            " CREATE TRIGGER hold BEFORE INSERT ON article7.changes FOR EACH ROW"
+                            " WHEN (NEW.name = 'C') EXECUTE FUNCTION public.hold()")
+        for n, level in enumerate(LEVELS):
+            t, op = 100 * (n + 1), f"X{n}"
+            held, purger = self.client(level), self.client(level)
+            pids = [value(c, "SELECT pg_backend_pid()") for c in (held, purger)]
+            query(self.session, "SELECT pg_advisory_lock(7401, 1)")
+            harness.send(held, change(op, "C", -1, t, t))
+            waiting(self.session, pids[0])
+            missing = value(self.session, change(op, "Z", 1, t, t))
+            self.assertEqual(missing["status"], "missing_resource")
+            harness.send(purger, call("article7.purge", t + 10, 5))
+            waited = harness.waits(self.session, pids[1], "article7.purge(")
+            query(self.session, "SELECT pg_advisory_unlock(7401, 1)")
+            self.assertTrue(waited, f"{level}: the purge did not wait for the change")
+            self.assertIn(harness.reply(held).state, ("23505", "40001"), level)
+            self.assertEqual(harness.reply(purger).state, "00000")
+            self.assertEqual(value(held, change(op, "C", -1, t, t + 20)),
+                             {"status": "expired", "low_water": t + 5})
+        self.assertEqual(query(self.session, "SELECT count(*) FROM article7.changes"), [["0"]])
+        self.assertEqual(resources(self.session, "C"), ((5, 1),))
+
+    def test_a_purge_called_again_at_the_same_mark_answers_purged_with_nothing_deleted(self):
+        seed(self.session, {"C": 5})
+        s = self.session
+        value(s, change("c", "C", 1, 3, 3))
+        self.assertEqual(value(s, call("article7.purge", 10, 5)),
+                         {"status": "purged", "deleted": 1, "low_water": 5})
+        for now, window in ((10, 5), (12, 7)):
+            self.assertEqual(value(s, call("article7.purge", now, window)),
+                             {"status": "purged", "deleted": 0, "low_water": 5})
 
     def test_purge_keeps_the_receipt_written_at_the_mark_and_deletes_the_one_before(self):
         seed(self.session, {"A": 10, "B": 0, "C": 5})
@@ -416,6 +502,27 @@ class SourceTest(unittest.TestCase):
         lines = done.stderr.decode("utf-8", "replace").splitlines()
         self.assertEqual((done.returncode, lines.count(harness.SKIP)), (0, 1), lines)
         self.assertEqual([line for line in lines if "PostgreSQL" in line], [harness.SKIP])
+
+
+class HarnessTest(harness.TestCase):
+    """What the races rely on: race() releases its clients only once all of them wait."""
+
+    def test_race_releases_no_client_until_every_client_waits_at_the_barrier(self):
+        # The second client is held before the barrier, on a lock this test holds; the first
+        # waits there.  The barrier stays shut: once nothing moves for SILENCE (shortened
+        # here), race() fails naming how many arrived, and the first client's call never ran.
+        s = self.session
+        query(s, "CREATE TABLE public.ran (client integer)")
+        first, late = self.client(), self.client()
+        pid = value(late, "SELECT pg_backend_pid()")
+        query(s, "SELECT pg_advisory_lock(7402, 1)")
+        harness.send(late, "SELECT pg_advisory_lock(7402, 1)")
+        waiting(s, pid)
+        with mock.patch.object(harness, "SILENCE", 0.5), self.assertRaisesRegex(
+                AssertionError, "^only 1 of 2 clients reached the barrier$"):
+            race(s, [first, late], [f"INSERT INTO public.ran VALUES ({i})" for i in range(2)])
+        query(s, "SELECT pg_advisory_unlock_all()")
+        self.assertEqual(query(s, "SELECT count(*) FROM public.ran"), [["0"]])
 
 
 # === machinery ==================================================================================
