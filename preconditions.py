@@ -25,6 +25,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import sqlite3
 import stat
 from contextlib import contextmanager
@@ -528,11 +529,21 @@ def main(argv=None):
     """preconditions.py COMMAND DB ...: one JSON line on stdout, as UTF-8 bytes whatever the
     locale, whose "status" says what happened (after READY where --wait or the unsafe baseline
     waits for GO on stdin).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad
-    usage, and at ``--crash BOUNDARY`` 71, 72 or 73 (EXIT_CODES).
+    usage, at ``--crash BOUNDARY`` 71, 72 or 73 (EXIT_CODES), and 130 interrupted (one line on
+    stderr: Ctrl-C, or SIGTERM or SIGHUP at the command line).
     """
     global CRASH_AT
     args = _parser().parse_args(None if argv is None else list(argv))
     CRASH_AT = getattr(args, "crash", None)
+    try:
+        return _answer(args)
+    except KeyboardInterrupt:
+        # The command's own cleanup has run: its database is closed, nothing half-written.
+        return _interrupted(f"preconditions.py {args.command}")
+
+
+def _answer(args):
+    """Run the command and print its JSON line; the exit status."""
     try:
         answer = COMMANDS[args.command][0](args)
     except (ValueError, TypeError, OSError, RecursionError, sqlite3.Error) as error:
@@ -638,7 +649,10 @@ ARGUMENTS = {
 
 def _parser():
     import argparse
-    parser = argparse.ArgumentParser(prog="preconditions.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="preconditions.py", description=__doc__.split("\n")[0],
+        epilog="exit status: 0 done, 1 refused or failed, 2 bad usage, 71-73 at --crash, 130"
+        " interrupted (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, text, arguments) in COMMANDS.items():
         command = commands.add_parser(name, help=text, description=text)
@@ -661,5 +675,38 @@ def _wait_for_go():
         raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
+# What stops a command at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+              if hasattr(signal, name))
+
+
+def _stop_on_signals():
+    """At the command line only (the driver forks main() without it): each of STOPS raises
+    KeyboardInterrupt once, the next ones ignored, so the command's cleanup runs to its end and
+    main() says one line.  SIGINT stops it even where a background start ignores it; a SIGTERM
+    or SIGHUP that is ignored (nohup) stays ignored."""
+    def stop(number, frame):
+        for each in STOPS:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    for number in STOPS:
+        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, stop)
+
+
+def _interrupted(name):
+    """Say ``name: interrupted`` on stderr where it still can be (a terminal that hung up cannot
+    take it); the exit status of an interrupt."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"{name}: interrupted\n")
+        sys.stderr.flush()
+    return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _stop_on_signals()
+    status = main()
+    # Said and done: a stop now changes nothing.
+    for number in STOPS:
+        signal.signal(number, signal.SIG_IGN)
+    sys.exit(status)

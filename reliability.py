@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sqlite3
 import stat
 from contextlib import contextmanager
@@ -325,10 +326,32 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
 
 
 def start_child(argv):
-    """``python3 -I -S reliability.py argv...`` with binary pipes: isolated, no site packages."""
+    """``python3 -I -S reliability.py argv...`` with binary pipes: isolated, no site packages.
+
+    The child runs in a session of its own, so a Ctrl-C at the terminal reaches only the
+    process that started it, which kills and reaps it (call_tool does, whatever ends it).
+    """
     import subprocess
-    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), *argv],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return subprocess.Popen([_interpreter(), "-I", "-S", os.path.abspath(__file__), *argv],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _interpreter():
+    """The Python a child runs: sys.executable; where that is empty (python3 found by a shell
+    that exports no PATH, as in ``env -i bash``), this installation's pythonX.Y if the kernel
+    says it is the very program running (Linux /proc).  Otherwise an OSError naming the cause,
+    one line at the command line."""
+    if sys.executable and os.access(sys.executable, os.X_OK):
+        return sys.executable
+    mine = os.path.join(sys.exec_prefix, "bin", "python%d.%d" % sys.version_info[:2])
+    # Missing, or /proc hidden: no proof, so no guess.
+    with contextlib.suppress(OSError):
+        if os.path.samefile(mine, "/proc/self/exe"):
+            return mine
+    found = f"{sys.executable!r}, not executable" if sys.executable else "empty"
+    raise FileNotFoundError(errno.ENOENT, "the Python interpreter is unknown (sys.executable is"
+                            f" {found}): run python3 by its full path, or export PATH")
 
 
 def _record_tool(connection, row, pid):
@@ -1035,8 +1058,9 @@ def main(argv=None):
     """reliability.py COMMAND ...: one JSON line on stdout, as UTF-8 bytes whatever the locale,
     whose "status" says what happened; ``serve`` is a tool child (one request line on stdin,
     its reply out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad usage,
-    CRASH_EXIT at ``--crash BOUNDARY``; dispatch and deliver pass a tool child's boundary on to
-    the child they start.
+    CRASH_EXIT at ``--crash BOUNDARY``, 130 interrupted (one line on stderr: Ctrl-C, or SIGTERM
+    or SIGHUP at the command line, a tool child it started killed first); dispatch and deliver
+    pass a tool child's boundary on to the child they start.
     """
     global CRASH_AT
     parser = _parser()
@@ -1046,6 +1070,15 @@ def main(argv=None):
         parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
     passed_on = args.command != "serve" and BOUNDARIES.get(crash) in TOOLS.values()
     CRASH_AT = None if passed_on else crash
+    try:
+        return _answer(args, crash, passed_on)
+    except KeyboardInterrupt:
+        # The command's own cleanup has run: a tool child is killed and reaped, files closed.
+        return _interrupted(f"reliability.py {args.command}")
+
+
+def _answer(args, crash, passed_on):
+    """Run the command and print its JSON line; the exit status."""
     try:
         answer = COMMANDS[args.command][0](args)
     except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError,
@@ -1216,7 +1249,10 @@ ARGUMENTS = {
 }
 def _parser():
     import argparse
-    parser = argparse.ArgumentParser(prog="reliability.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="reliability.py", description=__doc__.split("\n")[0],
+        epilog=f"exit status: 0 done, 1 refused or failed, 2 bad usage, {CRASH_EXIT} at --crash,"
+        " 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, text, arguments, boundaries) in COMMANDS.items():
         command = commands.add_parser(name, help=text, description=text)
@@ -1280,5 +1316,38 @@ def _claimed_row(connection, caller, key, attempt, now):
             "payload": json.loads(text), "issued_at": issued_at, "now": now}
 
 
+# What stops a command at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+              if hasattr(signal, name))
+
+
+def _stop_on_signals():
+    """At the command line only (the driver forks main() without it): each of STOPS raises
+    KeyboardInterrupt once, the next ones ignored, so the command's cleanup runs to its end and
+    main() says one line.  SIGINT stops it even where a background start ignores it; a SIGTERM
+    or SIGHUP that is ignored (nohup) stays ignored."""
+    def stop(number, frame):
+        for each in STOPS:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    for number in STOPS:
+        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, stop)
+
+
+def _interrupted(name):
+    """Say ``name: interrupted`` on stderr where it still can be (a terminal that hung up cannot
+    take it); the exit status of an interrupt."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"{name}: interrupted\n")
+        sys.stderr.flush()
+    return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _stop_on_signals()
+    status = main()
+    # Said and done: a stop now changes nothing.
+    for number in STOPS:
+        signal.signal(number, signal.SIG_IGN)
+    sys.exit(status)

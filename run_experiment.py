@@ -16,7 +16,10 @@ never paths, pids or timings, so a rerun reproduces them byte for byte.  Each mo
 optional: with only reliability.py (article 1's download) or only preconditions.py (article
 7's), only its scenarios run and only they are compared; --download writes such a folder, its
 results.json holding that article's results alone, so that --output reproduces it byte for byte.
-Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted.
+Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted:
+Ctrl-C, SIGTERM or SIGHUP (an interrupt to its process group stops it even where a
+background start ignores SIGINT), one line on stderr, its workers killed and reaped and its
+folder removed first.
 """
 import sys
 
@@ -27,6 +30,7 @@ if sys.version_info < (3, 9):
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import random
@@ -58,6 +62,9 @@ WATCHDOG = 60.0
 JOBS = 3
 # Children forked (a few ms) rather than fresh interpreters (about 30 ms); --exec: fresh ones.
 USE_FORK = hasattr(os, "fork")
+# What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+              if hasattr(signal, name))
 # The modules a child runs, by file name; None where this download lacks one.
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
 CALLER, KEY = "agent", "ticket-1"
@@ -1047,8 +1054,13 @@ def start_all(names, jobs=JOBS):
             pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
         else:
             for _ in range(min(jobs, len(names))):
-                pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
+                # A stop waits from the fork to the bookkeeping: an unrecorded worker would run on.
+                with stops_held():
+                    pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
     except BaseException:
+        # Interrupted or failed while starting: the workers started so far go too.
+        for pid, _ in pending["workers"]:
+            os.kill(pid, signal.SIGKILL)
         collect(pending)
         raise
     return pending
@@ -1072,8 +1084,14 @@ def _work(names, base):
 
 
 def collect(pending):
-    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs."""
+    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs.
+
+    Interrupted (KeyboardInterrupt), it kills every worker first.  A worker that Ctrl-C,
+    SIGTERM or SIGHUP ended was interrupted with the run, which then raises KeyboardInterrupt
+    too: its scenarios did not fail, the run was stopped.
+    """
     readers = {reader for _, reader in pending["workers"]}
+    stopped = False
     try:
         if pending["runs"] is None:
             finished = {}
@@ -1090,16 +1108,26 @@ def collect(pending):
                                  " any, is above)"]}
             pending["runs"] = [_revive(name, finished.get(name, lost))
                                for name in pending["names"]]
-        return merge_cells(pending["runs"])
-    finally:
-        # Unread after an error: closing it lets a blocked worker end.
-        for reader in readers:
-            os.close(reader)
-        # Reaped before the directory goes, whatever happened.
+        runs = merge_cells(pending["runs"])
+    except BaseException:
+        # Interrupted before every worker reported (a SIGTERM may have reached this process
+        # alone): none of them runs on.
         for pid, _ in pending["workers"]:
-            os.waitpid(pid, 0)
-        pending["workers"] = []
-        shutil.rmtree(pending["base"], ignore_errors=True)
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        # Whatever happened, and uninterrupted: each worker reaped, then the directory goes.
+        with stops_held():
+            # Unread after an error: closing it lets a blocked worker end.
+            for reader in readers:
+                os.close(reader)
+            for pid, _ in pending["workers"]:
+                stopped |= -os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) in STOPS
+            pending["workers"] = []
+            shutil.rmtree(pending["base"], ignore_errors=True)
+    if stopped:
+        raise KeyboardInterrupt
+    return runs
 
 
 def _revive(name, state):
@@ -1130,7 +1158,7 @@ def start(module, *args, run=None):
             child = fork_start(MODULES[module], args, stderr=stderr)
         else:
             # Binary pipes: what crosses them is UTF-8 whatever the locale.
-            child = subprocess.Popen([sys.executable, "-I", "-S", os.path.join(HERE, module),
+            child = subprocess.Popen([interpreter(), "-I", "-S", os.path.join(HERE, module),
                                       *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=stderr)
             child.readline = lambda: child.stdout.readline().decode("utf-8").rstrip("\n")
@@ -1142,6 +1170,23 @@ def start(module, *args, run=None):
             os.close(stderr)
     child.run, child.said = run, said
     return child
+
+
+def interpreter():
+    """The Python a fresh child runs: sys.executable; where that is empty (python3 found by a
+    shell that exports no PATH, as in ``env -i bash``), this installation's pythonX.Y if the
+    kernel says it is the very program running (Linux /proc).  Otherwise an OSError naming the
+    cause."""
+    if sys.executable and os.access(sys.executable, os.X_OK):
+        return sys.executable
+    mine = os.path.join(sys.exec_prefix, "bin", "python%d.%d" % sys.version_info[:2])
+    # Missing, or /proc hidden: no proof, so no guess.
+    with contextlib.suppress(OSError):
+        if os.path.samefile(mine, "/proc/self/exe"):
+            return mine
+    found = f"{sys.executable!r}, not executable" if sys.executable else "empty"
+    raise FileNotFoundError(errno.ENOENT, "the Python interpreter is unknown (sys.executable is"
+                            f" {found}): run python3 by its full path, or export PATH")
 
 
 def start_tool(argv):
@@ -1355,11 +1400,40 @@ def fork_start(module, argv, keep=(), stderr=None):
     return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
 
 
+def stop_on_signals():
+    """At the command line only (tests call main() without it): each of STOPS raises
+    KeyboardInterrupt once, the next ones ignored, so the cleanup runs to its end and main()
+    says one line.  SIGINT stops the run even where a background start ignores it (its forked
+    children would die of it otherwise); a SIGTERM or SIGHUP that is ignored (nohup) stays
+    ignored."""
+    def stop(number, frame):
+        for each in STOPS:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    for number in STOPS:
+        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, stop)
+
+
+@contextlib.contextmanager
+def stops_held():
+    """STOPS held back for the block (where the system can), and delivered as it ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def fork(child):
     """Fork a child that runs ``child()`` and exits with the code it returns, never returning
     into the caller: 1 if it raises (its traceback on stderr, which os._exit would swallow).
     In the child Ctrl-C ends it quietly (the driver reports), and its random numbers are
-    its own, so that siblings do not share the parent's back-off sequence."""
+    its own, so that siblings do not share the parent's back-off sequence.  SIGTERM and SIGHUP
+    end it quietly too, unless its parent ignores them (nohup)."""
     # Or the child would print what is buffered again.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1367,9 +1441,11 @@ def fork(child):
     if pid == 0:
         code = 1
         try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # beyond/torture.py holds SIGINT back around a fork.
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            for number in STOPS:
+                if signal.getsignal(number) is not signal.SIG_IGN or number == signal.SIGINT:
+                    signal.signal(number, signal.SIG_DFL)
+            # Held back around a fork (stops_held()): here they are the child's own.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
             random.seed()
             code = child()
         except BaseException:
@@ -1573,6 +1649,12 @@ def _main(argv):
     USE_FORK = USE_FORK and not args.exec
     if args.download:
         return download(*args.download, parser.error)
+    # Fresh children need an interpreter: said once, before any scenario, not once a scenario.
+    if not USE_FORK:
+        try:
+            interpreter()
+        except OSError as error:
+            parser.exit(2, f"run_experiment.py: error: {error.strerror}\n")
     names = list(SCENARIOS)
     missing = [name for name, module in MODULES.items() if module is None]
     for name in (args.only or []) + ([args.explain] if args.explain else []):
@@ -1668,7 +1750,9 @@ def explain(run):
 
 
 if __name__ == "__main__":
+    stop_on_signals()
     status = main()
-    # A Ctrl-C after the verdict changes nothing.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # After the verdict a stop changes nothing.
+    for number in STOPS:
+        signal.signal(number, signal.SIG_IGN)
     sys.exit(status)

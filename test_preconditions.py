@@ -40,6 +40,7 @@ import sqlite3
 import subprocess
 import tempfile
 import threading
+import time
 import unittest
 from unittest import mock
 
@@ -912,6 +913,29 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
                                 err)
         self.assertEqual(self.figures(), ({"A": (8, 3), "B": (3, 2)}, 1, 2))
 
+    @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
+                         "sees where a process waits (Linux /proc)")
+    def test_execute_or_the_baseline_waiting_for_go_stops_in_one_line_and_moves_nothing(self):
+        # Typed at a terminal; started in the background (SIGINT ignored) and interrupted
+        # through its process group; SIGTERM to it alone; a hang-up to its group.
+        stops = {"Ctrl-C": (None, False),
+                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
+                                                  True),
+                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
+                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
+        command = json.dumps(plan())
+        for argv in (("execute", self.db, "job-1", command, "--now", "0", "--wait"),
+                     ("unsafe-check-then-act", self.db, "job-1", command)):
+            for label, (stop, background) in stops.items():
+                with self.subTest(argv[0], stop=label):
+                    done = at_a_terminal([sys.executable, MODULE, *argv],
+                                         lambda pid, screen: screen == "READY\n"
+                                         and sleeps_in_read(pid), stop, background)
+                    self.assertEqual(done, (130, f"READY\npreconditions.py {argv[0]}:"
+                                                 " interrupted\n", []))
+        self.assertEqual(self.figures(), START)
+        self.assertEqual(sorted(os.listdir(self.dir)), ["t.db"])
+
 
 # === the source itself: the article's code verbatim ==========================================
 
@@ -1174,6 +1198,144 @@ def run_together(commands, stdin=b"", **options):
         return done
     finally:
         run_experiment.reap(children)
+
+
+# A shell for at_a_terminal(): it leads the session with the pty as its controlling terminal,
+# starts the command as its foreground job, reports the job's pid and then its exit code on
+# the descriptor named first, and waits to be killed.
+# twin: identical in test_reliability.py
+SHELL = """
+import fcntl, os, signal, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+report, background, argv = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setpgid(0, 0)
+        # A group not yet in the foreground that takes the terminal would get SIGTTOU.
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        os.tcsetpgrp(0, os.getpid())
+        for number in (signal.SIGTTOU, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(number, signal.SIG_DFL)
+        # As `cmd &` in a script starts it.
+        if background:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.close(report)
+        os.execv(argv[0], argv)
+    finally:
+        os._exit(127)
+os.write(report, b"%d\\n" % pid)
+os.write(report, b"%d\\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+signal.pause()
+"""
+
+
+# twin: identical in test_reliability.py
+def at_a_terminal(argv, ready, stop=None, background=False):
+    """Run ``argv`` as a command typed at a terminal: on a pseudo-terminal, as the foreground
+    job of a shell that leads the session (SHELL), with the pty as its stdin, stdout and
+    stderr; with ``background``, ignoring SIGINT as ``cmd &`` in a script would.  Once
+    ``ready(pid, screen)`` holds, Ctrl-C is typed (the kernel sends SIGINT to the job's whole
+    process group), or ``stop(pid)`` is called instead.  The shell outlives the job, so that no
+    SIGHUP at the session's end hides a process the job left.  Returns (exit code, the screen
+    as text, the pids of the job's process group still running once it ended).  A job never
+    ready or never ending fails at the watchdog; nothing of it outlives this call."""
+    import termios
+    master, slave = os.openpty()
+    attributes = termios.tcgetattr(slave)
+    # The screen as the job wrote it: no ^C echoed, no \r added before each \n.
+    attributes[1] &= ~termios.OPOST
+    attributes[3] &= ~termios.ECHO
+    termios.tcsetattr(slave, termios.TCSANOW, attributes)
+    report, told = os.pipe()
+    try:
+        shell = subprocess.Popen([sys.executable, "-I", "-S", "-c", SHELL, str(told),
+                                  "1" if background else "0", *argv], stdin=slave, stdout=slave,
+                                 stderr=slave, pass_fds=(told,), start_new_session=True)
+    finally:
+        os.close(slave)
+        os.close(told)
+    got, closed, group, left = {master: b"", report: b""}, set(), None, None
+    job = lambda: got[report].split(b"\n")
+    screen = lambda: got[master].decode("utf-8", "replace")
+
+    def pump(until, waited_for):
+        deadline = time.monotonic() + WATCHDOG
+        while not until():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"waited {WATCHDOG} s for {waited_for}; the screen:"
+                                     f" {screen()!r}")
+            for fd in select.select([fd for fd in got if fd not in closed], [], [], 0.005)[0]:
+                try:
+                    data = os.read(fd, 65536)
+                # EIO: the pty's last other holder is gone.
+                except OSError:
+                    data = b""
+                got[fd] += data
+                if not data:
+                    closed.add(fd)
+    try:
+        pump(lambda: len(job()) > 1, "the job to start")
+        group = int(job()[0])
+        pump(lambda: len(job()) > 2 or ready(group, screen()), "the job to be ready")
+        if len(job()) > 2:
+            raise AssertionError(f"the job ended before it was ready: {screen()!r}")
+        if stop is None:
+            os.write(master, b"\x03")
+        else:
+            stop(group)
+        try:
+            pump(lambda: len(job()) > 2, "the job to end")
+        except AssertionError:
+            # What the job did with the signal: blocked, ignored or pending.
+            with open(f"/proc/{group}/status", encoding="utf-8") as status:
+                masks = [line.strip() for line in status if line.startswith("Sig")]
+            raise AssertionError(f"the job outlived its stop: {masks}") from None
+        deadline = time.monotonic() + WATCHDOG
+        while group_running(group) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        left = group_running(group)
+    finally:
+        # Whatever failed: none of the job's group lives on.
+        if group is not None and left != []:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        shell.kill()
+        shell.wait()
+        os.close(report)
+    try:
+        # Every holder of the pty gone: the rest of the screen, to its end.
+        closed.add(report)
+        pump(lambda: master in closed, "the terminal to be let go")
+    finally:
+        os.close(master)
+    return int(job()[1]), screen(), left
+
+
+# twin: identical in test_reliability.py
+def group_running(group):
+    """The pids of the processes of process group ``group`` that have not ended (Linux /proc)."""
+    running = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+                # pid (name) state ppid pgrp ...: the name may hold spaces and parentheses.
+                fields = handle.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                running.append(int(pid))
+    return running
+
+
+# twin: identical in test_reliability.py
+def sleeps_in_read(pid, fd=0):
+    """Whether process ``pid`` sleeps in read() on descriptor ``fd`` (Linux /proc: the system
+    call it is in, numbered as this process's own read of that file shows)."""
+    with open("/proc/self/syscall", encoding="ascii") as mine:
+        read = mine.read().split()[0]
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/syscall", encoding="ascii") as its:
+            return its.read().split()[:2] == [read, hex(fd)]
+    return False
 
 
 # twin: identical in test_reliability.py

@@ -56,6 +56,7 @@ import sqlite3
 import struct
 import subprocess
 import tempfile
+import time
 import types
 import unittest
 from unittest import mock
@@ -1088,6 +1089,101 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             self.assertEqual(json.loads(out.decode("utf-8"))["response"]["caller"], "代理",
                              "the sender read it right")
             self.assertEqual(outbox(ws, "工单-1", caller="代理")["state"], "done")
+
+    @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
+                         "sees where a process waits (Linux /proc)")
+    def test_serve_waiting_for_its_request_stops_in_one_line_on_ctrl_c_sigterm_or_sighup(self):
+        # Typed at a terminal; started in the background (SIGINT ignored) and interrupted
+        # through its process group; SIGTERM to it alone; a hang-up to its group.
+        stops = {"Ctrl-C": (None, False),
+                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
+                                                  True),
+                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
+                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
+        with workspace() as ws:
+            ws.close()
+            for label, (stop, background) in stops.items():
+                with self.subTest(label):
+                    done = at_a_terminal([sys.executable, SCRIPT, "serve", "receive",
+                                          ws.path("receiver")],
+                                         lambda pid, screen: sleeps_in_read(pid), stop,
+                                         background)
+                    self.assertEqual(done, (130, "reliability.py serve: interrupted\n", []))
+            self.assertEqual(counts(ws), EMPTY)
+
+    @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
+                         "sees where a process waits (Linux /proc)")
+    def test_claim_waiting_for_go_stops_in_one_line_on_ctrl_c_and_claims_nothing(self):
+        with workspace() as ws:
+            enqueue(ws)
+            ws.close()
+            done = at_a_terminal([sys.executable, SCRIPT, "claim", ws.root, "--now", "0",
+                                  "--wait"],
+                                 lambda pid, screen: screen == "READY\n" and sleeps_in_read(pid))
+            self.assertEqual(done, (130, "READY\nreliability.py claim: interrupted\n", []))
+            self.assertEqual(state(ws), ("pending", 0))
+
+    @unittest.skipUnless(os.path.isdir("/proc"), "finds the tool child (Linux /proc)")
+    def test_dispatch_stops_in_one_line_on_ctrl_c_or_sigterm_and_kills_its_tool_child(self):
+        sigterm = lambda pid: os.kill(pid, signal.SIGTERM)
+        for label, stop in (("Ctrl-C", None), ("SIGTERM", sigterm)):
+            with self.subTest(label), workspace() as ws:
+                enqueue(ws)
+                ws.close()
+                held = []
+
+                def ready(pid, screen):
+                    # Its tool child has read the request and opened receiver.db, where the
+                    # write lock taken below keeps it waiting; stopped, it waits for good.
+                    for child in children_of(pid):
+                        if holds_open(child, ws.path("receiver")):
+                            os.kill(child, signal.SIGSTOP)
+                            held.append((child, started_at(child),
+                                         os.getsid(child) != os.getsid(pid)))
+                            return True
+                    return False
+                with raw(ws.path("receiver")) as receiver:
+                    receiver.execute("BEGIN IMMEDIATE")
+                    done = at_a_terminal([sys.executable, SCRIPT, "dispatch", ws.root, "--now",
+                                          "0"], ready, stop)
+                    receiver.execute("ROLLBACK")
+                self.assertEqual(done, (130, "reliability.py dispatch: interrupted\n", []))
+                # In a session of its own, out of the terminal's reach: dispatch killed it.
+                child, started, apart = held[0]
+                self.assertTrue(apart, "the tool child shares the terminal's session")
+                self.assertNotEqual(started_at(child), started, "the tool child lives on")
+                self.assertEqual((state(ws), counts(ws)["tickets"]), (("inflight", 1), 0))
+
+    def test_a_tool_child_finds_python_without_path_or_dispatch_says_why_not_in_one_line(self):
+        # A shell that exports no PATH (env -i bash) runs python3, found by name, with an empty
+        # environment: its sys.executable is empty.
+        bare = ["import os, sys", "os.execve(sys.executable, ['python3', *sys.argv[1:]], {})"]
+        bare = [sys.executable, "-I", "-S", "-c", "; ".join(bare)]
+        probe = subprocess.run(bare + ["-S", "-c", "import sys; print(repr(sys.executable))"],
+                               capture_output=True, timeout=WATCHDOG)
+        self.assertEqual(probe.stdout, b"''\n")
+        with workspace() as ws:
+            enqueue(ws)
+            enqueue(ws, "k2")
+            ws.close()
+            dispatch = [SCRIPT, "dispatch", ws.root, "--now", "0"]
+            done = subprocess.run(bare + dispatch, capture_output=True, timeout=WATCHDOG)
+            self.assertEqual((done.returncode, done.stderr), (0, b""))
+            self.assertEqual(json.loads(done.stdout)["status"], "done")
+            if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("unshare")):
+                self.skipTest("hides /proc in a mount namespace of its own: needs unshare and"
+                              " root")
+            # Where /proc is hidden too, nothing proves which program runs: one line says why.
+            done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                   'mount -t tmpfs none /proc && exec "$@"', "sh", *bare,
+                                   *dispatch], capture_output=True, timeout=WATCHDOG)
+            self.assertEqual((done.returncode, done.stdout), (1, b""))
+            self.assertEqual(done.stderr.decode("utf-8"), "reliability.py dispatch:"
+                             " FileNotFoundError: [Errno 2] the Python interpreter is unknown"
+                             " (sys.executable is empty): run python3 by its full path, or"
+                             " export PATH\n")
+            self.assertEqual((state(ws, "k2"), counts(ws)["tickets"]), (("inflight", 1), 1),
+                             "claimed, never sent")
 
 
 # === 第一篇 §5: atomic claims, attempt numbers and leases, with many processes ===
@@ -2473,6 +2569,144 @@ def run_together(commands, stdin=b"", **options):
         run_experiment.reap(children)
 
 
+# A shell for at_a_terminal(): it leads the session with the pty as its controlling terminal,
+# starts the command as its foreground job, reports the job's pid and then its exit code on
+# the descriptor named first, and waits to be killed.
+# twin: identical in test_preconditions.py
+SHELL = """
+import fcntl, os, signal, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+report, background, argv = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setpgid(0, 0)
+        # A group not yet in the foreground that takes the terminal would get SIGTTOU.
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        os.tcsetpgrp(0, os.getpid())
+        for number in (signal.SIGTTOU, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(number, signal.SIG_DFL)
+        # As `cmd &` in a script starts it.
+        if background:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.close(report)
+        os.execv(argv[0], argv)
+    finally:
+        os._exit(127)
+os.write(report, b"%d\\n" % pid)
+os.write(report, b"%d\\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+signal.pause()
+"""
+
+
+# twin: identical in test_preconditions.py
+def at_a_terminal(argv, ready, stop=None, background=False):
+    """Run ``argv`` as a command typed at a terminal: on a pseudo-terminal, as the foreground
+    job of a shell that leads the session (SHELL), with the pty as its stdin, stdout and
+    stderr; with ``background``, ignoring SIGINT as ``cmd &`` in a script would.  Once
+    ``ready(pid, screen)`` holds, Ctrl-C is typed (the kernel sends SIGINT to the job's whole
+    process group), or ``stop(pid)`` is called instead.  The shell outlives the job, so that no
+    SIGHUP at the session's end hides a process the job left.  Returns (exit code, the screen
+    as text, the pids of the job's process group still running once it ended).  A job never
+    ready or never ending fails at the watchdog; nothing of it outlives this call."""
+    import termios
+    master, slave = os.openpty()
+    attributes = termios.tcgetattr(slave)
+    # The screen as the job wrote it: no ^C echoed, no \r added before each \n.
+    attributes[1] &= ~termios.OPOST
+    attributes[3] &= ~termios.ECHO
+    termios.tcsetattr(slave, termios.TCSANOW, attributes)
+    report, told = os.pipe()
+    try:
+        shell = subprocess.Popen([sys.executable, "-I", "-S", "-c", SHELL, str(told),
+                                  "1" if background else "0", *argv], stdin=slave, stdout=slave,
+                                 stderr=slave, pass_fds=(told,), start_new_session=True)
+    finally:
+        os.close(slave)
+        os.close(told)
+    got, closed, group, left = {master: b"", report: b""}, set(), None, None
+    job = lambda: got[report].split(b"\n")
+    screen = lambda: got[master].decode("utf-8", "replace")
+
+    def pump(until, waited_for):
+        deadline = time.monotonic() + WATCHDOG
+        while not until():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"waited {WATCHDOG} s for {waited_for}; the screen:"
+                                     f" {screen()!r}")
+            for fd in select.select([fd for fd in got if fd not in closed], [], [], 0.005)[0]:
+                try:
+                    data = os.read(fd, 65536)
+                # EIO: the pty's last other holder is gone.
+                except OSError:
+                    data = b""
+                got[fd] += data
+                if not data:
+                    closed.add(fd)
+    try:
+        pump(lambda: len(job()) > 1, "the job to start")
+        group = int(job()[0])
+        pump(lambda: len(job()) > 2 or ready(group, screen()), "the job to be ready")
+        if len(job()) > 2:
+            raise AssertionError(f"the job ended before it was ready: {screen()!r}")
+        if stop is None:
+            os.write(master, b"\x03")
+        else:
+            stop(group)
+        try:
+            pump(lambda: len(job()) > 2, "the job to end")
+        except AssertionError:
+            # What the job did with the signal: blocked, ignored or pending.
+            with open(f"/proc/{group}/status", encoding="utf-8") as status:
+                masks = [line.strip() for line in status if line.startswith("Sig")]
+            raise AssertionError(f"the job outlived its stop: {masks}") from None
+        deadline = time.monotonic() + WATCHDOG
+        while group_running(group) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        left = group_running(group)
+    finally:
+        # Whatever failed: none of the job's group lives on.
+        if group is not None and left != []:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        shell.kill()
+        shell.wait()
+        os.close(report)
+    try:
+        # Every holder of the pty gone: the rest of the screen, to its end.
+        closed.add(report)
+        pump(lambda: master in closed, "the terminal to be let go")
+    finally:
+        os.close(master)
+    return int(job()[1]), screen(), left
+
+
+# twin: identical in test_preconditions.py
+def group_running(group):
+    """The pids of the processes of process group ``group`` that have not ended (Linux /proc)."""
+    running = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+                # pid (name) state ppid pgrp ...: the name may hold spaces and parentheses.
+                fields = handle.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                running.append(int(pid))
+    return running
+
+
+# twin: identical in test_preconditions.py
+def sleeps_in_read(pid, fd=0):
+    """Whether process ``pid`` sleeps in read() on descriptor ``fd`` (Linux /proc: the system
+    call it is in, numbered as this process's own read of that file shows)."""
+    with open("/proc/self/syscall", encoding="ascii") as mine:
+        read = mine.read().split()[0]
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/syscall", encoding="ascii") as its:
+            return its.read().split()[:2] == [read, hex(fd)]
+    return False
+
+
 def launcher(crash=None, started=None, legacy=False):
     """A start= hook for call_tool: a tool child running reliability.py's own CLI ``serve ...``,
     dying at ``crash``; each child is appended to ``started``.  It is forked, as the driver's
@@ -2537,6 +2771,36 @@ def timed_out_child():
     child.communicate.side_effect = [subprocess.TimeoutExpired(cmd="serve", timeout=0.5),
                                      (b"", None)]
     return child
+
+
+def children_of(pid):
+    """The pids of process ``pid``'s children (Linux /proc)."""
+    children = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{child}/stat", encoding="utf-8", errors="replace") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(child))
+    return children
+
+
+def holds_open(pid, path):
+    """Whether process ``pid`` has ``path`` open (Linux /proc)."""
+    with contextlib.suppress(OSError):
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == os.path.realpath(path)
+                   for fd in os.listdir(f"/proc/{pid}/fd"))
+    return False
+
+
+def started_at(pid):
+    """When process ``pid`` started, in clock ticks since boot, or None where none runs (Linux
+    /proc): with the pid, it names one process, not a later one that reuses the pid."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        # A zombie has ended.
+        return None if fields[0] == "Z" else int(fields[19])
+    return None
 
 
 class LiveChild:

@@ -16,24 +16,28 @@ process's, the median over the rounds; "vs ideal" divides it by the ideal line's
 is 1 process's time per receive, p99 and max the N processes' receive times, waiting
 included, over all rounds; all three are multiples of the floor, one fsync'd single-row
 INSERT commit, measured between the runs.  This is not a test: the figures belong to the
-machine, and only ratios from one run carry over.
+machine, and only ratios from one run carry over.  Ctrl-C, SIGTERM or SIGHUP ends it with one
+line and exit status 130, its workers killed and its folder removed first.
 """
 import argparse
 import contextlib
 import multiprocessing
 import os
 import queue
+import signal
 import sqlite3
 import statistics
 import sys
 import tempfile
 import time
 import types
+from multiprocessing import resource_tracker
 
 # Run as python3 beyond/bench.py, it finds beyond/ on its path: the modules are one folder up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reliability
+import run_experiment
 from beyond.queued import queued
 
 PROCESSES = 8
@@ -51,11 +55,23 @@ WAYS = {"ideal": "ideal line (hand-off)", "queued": "queued()", "plain": "plain 
 
 
 def main(argv=None):
+    """The command line: 0 measured, 2 bad usage or no interpreter for the workers, 130
+    interrupted (one line; see run_experiment.stop_on_signals())."""
     options = parse(argv)
     rounds, receives = (QUICK_ROUNDS, QUICK_RECEIVES) if options.quick else (ROUNDS, RECEIVES)
+    try:
+        run_experiment.interpreter()
+    except OSError as error:
+        print(f"beyond/bench.py: error: {error.strerror}", file=sys.stderr)
+        return 2
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-") as root:
-        figures, floor = measure(root, options.processes, rounds, receives)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-") as root:
+            figures, floor = measure(root, options.processes, rounds, receives)
+    except KeyboardInterrupt:
+        # The workers are killed and reaped, the folder removed (workers(), the with above).
+        print("beyond/bench.py: interrupted", file=sys.stderr)
+        return 130
     print(f"{options.processes} processes receiving on one receiver.db, against 1 doing the same"
           f" work; {rounds} rounds of {receives} receives each way")
     print(f"floor {floor * 1e6:.0f} us per fsync'd commit; load average {load:.1f} before,"
@@ -116,8 +132,15 @@ def measure(root, processes, rounds, receives):
 def workers(processes):
     """``processes`` interpreters of their own, started once, so that no run pays for a
     start or an exit; each runs the jobs it is given (see worker()).  None outlives the
-    block."""
+    block.  They start with Ctrl-C, SIGTERM and SIGHUP held back for good: a stop is this
+    process's to handle, and it kills them quietly."""
     context = multiprocessing.get_context("spawn")
+    # sys.executable, or where a shell that exports no PATH left it empty, the same program.
+    context.set_executable(run_experiment.interpreter())
+    # The tracker of the semaphores below, started once, keeps the mask it starts with too: a
+    # hang-up must not end it before they are let go (it ignores SIGINT and SIGTERM itself).
+    with run_experiment.stops_held():
+        resource_tracker.ensure_running()
     pool = types.SimpleNamespace(
         jobs=[context.Queue() for _ in range(processes)], results=context.Queue(),
         gates={n: context.Barrier(n + 1) for n in (1, processes)},
@@ -127,8 +150,10 @@ def workers(processes):
                         args=(me, pool.jobs[me], pool.results, pool.gates, pool.turns))
         for me in range(processes)]
     try:
-        for process in pool.processes:
-            process.start()
+        # The workers keep the mask they start with; here the stops wait until all have started.
+        with run_experiment.stops_held():
+            for process in pool.processes:
+                process.start()
         yield pool
         for jobs in pool.jobs:
             jobs.put(None)
@@ -221,4 +246,9 @@ def floor_commit(connection):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_experiment.stop_on_signals()
+    status = main()
+    # Said and done: a stop now changes nothing.
+    for number in run_experiment.STOPS:
+        signal.signal(number, signal.SIG_IGN)
+    sys.exit(status)

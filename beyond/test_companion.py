@@ -742,6 +742,152 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                                 if verdict != "ok"), ["keys.db", "pages.db"])
         self.assertEqual(len(run.failures), 2)
 
+    @unittest.skipUnless(os.path.isdir("/proc"), "a FIFO holds the driver still (Linux /proc)")
+    def test_an_interrupt_at_a_terminal_or_to_a_background_start_exits_130_in_one_line(self):
+        # Typed at a terminal; started in the background (SIGINT ignored, as `cmd &` in a script
+        # starts it) and interrupted through its process group; SIGTERM to it alone; a hang-up
+        # to its group.  --check holds it in the read of a FIFO that nobody writes.
+        stops = {"Ctrl-C": (None, False),
+                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
+                                                  True),
+                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
+                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
+        with tempfile.TemporaryDirectory() as directory:
+            fifo = os.path.join(directory, "results.json")
+            os.mkfifo(fifo)
+            driver = [sys.executable, os.path.join(ROOT, "run_experiment.py"), "--check", fifo,
+                      "--only", "idempotent_lost_ack"]
+            for label, (stop, background) in stops.items():
+                writer = []
+
+                def ready(pid, screen):
+                    # Opened for writing once the driver has it open for reading (ENXIO until
+                    # then): its open() returns, and its read() waits.
+                    if not writer:
+                        with contextlib.suppress(OSError):
+                            writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                    return bool(writer) and sleeps_reading(pid, fifo)
+                with self.subTest(label):
+                    try:
+                        done = article1.at_a_terminal(driver, ready, stop, background)
+                    finally:
+                        for fd in writer:
+                            os.close(fd)
+                    self.assertEqual(done, (130, "run_experiment.py: interrupted\n", []))
+
+    @unittest.skipUnless(hasattr(os, "fork") and os.path.isdir("/proc"),
+                         "forked workers, seen through Linux /proc")
+    def test_an_interrupt_while_the_workers_run_kills_them_and_is_one_line_not_a_mismatch(self):
+        # A scenario whose worker waits for ever in the read of a pipe nobody writes, beside one
+        # that ends.  The driver, as its command line runs it in a process group of its own, is
+        # stopped while that worker waits: by SIGINT, SIGTERM or SIGHUP to its group (the
+        # workers die of it too, quietly), or by SIGTERM to the driver alone (it must kill them
+        # itself).
+        def ends(run):
+            run.stages["seen"] = {"ended": True}
+            return "ended"
+        held, hold = os.pipe()
+        added = {"waits": lambda run: os.read(held, 1), "ends": ends}
+        for name, function in added.items():
+            run_experiment.SCENARIOS[name] = ("article_7", name, function)
+        try:
+            stops = {"SIGINT to its group": lambda pid: os.killpg(pid, signal.SIGINT),
+                     "SIGTERM to its group": lambda pid: os.killpg(pid, signal.SIGTERM),
+                     "SIGHUP to its group": lambda pid: os.killpg(pid, signal.SIGHUP),
+                     "SIGTERM to it alone": lambda pid: os.kill(pid, signal.SIGTERM)}
+            for label, stop in stops.items():
+                with self.subTest(label), tempfile.TemporaryDirectory() as directory, \
+                        tempfile.TemporaryFile() as said:
+                    def driver():
+                        os.setpgid(0, 0)
+                        tempfile.tempdir = directory
+                        os.dup2(said.fileno(), 1)
+                        os.dup2(said.fileno(), 2)
+                        run_experiment.stop_on_signals()
+                        return run_experiment.main(["--check", "--only", *added])
+                    pid = run_experiment.fork(driver)
+                    try:
+                        deadline = time.monotonic() + WATCHDOG
+                        waiting = []
+                        while not waiting:
+                            self.assertLess(time.monotonic(), deadline, "no worker waits")
+                            time.sleep(0.005)
+                            waiting = [worker for worker in article1.children_of(pid)
+                                       if article1.sleeps_in_read(worker, held)]
+                        # It handles none of the three (Linux /proc's mask of the signals it
+                        # catches): each ends it at once, quietly.
+                        with open(f"/proc/{waiting[0]}/status", encoding="utf-8") as status:
+                            caught = [int(line.split()[1], 16) for line in status
+                                      if line.startswith("SigCgt:")][0]
+                        self.assertEqual([number for number in (signal.SIGINT, signal.SIGTERM,
+                                                                signal.SIGHUP)
+                                          if caught & 1 << number - 1], [])
+                        workers = [(worker, article1.started_at(worker))
+                                   for worker in article1.children_of(pid)]
+                        # A worker that ended already is no worker to kill.
+                        workers = [(worker, started) for worker, started in workers if started]
+                        stop(pid)
+                        while not os.waitpid(pid, os.WNOHANG)[0]:
+                            self.assertLess(time.monotonic(), deadline, "the driver lives on")
+                            time.sleep(0.005)
+                    finally:
+                        # Whatever failed: nothing of it lives on.
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pid, signal.SIGKILL)
+                        with contextlib.suppress(ChildProcessError):
+                            os.waitpid(pid, 0)
+                    said.seek(0)
+                    lines = said.read().decode("utf-8").splitlines()
+                    self.assertEqual(lines[-1], "run_experiment.py: interrupted")
+                    self.assertFalse([line for line in lines
+                                      if "Traceback" in line or "scenarios" in line], lines)
+                    self.assertEqual([worker for worker, started in workers
+                                      if article1.started_at(worker) == started], [])
+                    self.assertEqual(os.listdir(directory), [])
+        finally:
+            for name in added:
+                del run_experiment.SCENARIOS[name]
+            os.close(held)
+            os.close(hold)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
+    def test_a_worker_an_interrupt_ended_stops_the_run_in_one_line_failing_nothing(self):
+        # Its worker interrupted (SIGINT ends a forked worker at once), before this process
+        # hears of any interrupt itself: the run was stopped, no scenario failed.
+        def ends(run):
+            run.stages["seen"] = {"ended": True}
+            return "ended"
+        added = {"interrupted": lambda run: os.kill(os.getpid(), signal.SIGINT), "ends": ends}
+        for name, function in added.items():
+            run_experiment.SCENARIOS[name] = ("article_7", name, function)
+        try:
+            code, out, err = run_main("--check", "--only", *added)
+        finally:
+            for name in added:
+                del run_experiment.SCENARIOS[name]
+        self.assertEqual((code, out, err.splitlines()[-1]), (130, "",
+                                                             "run_experiment.py: interrupted"))
+
+    def test_fresh_children_start_without_path_or_the_driver_refuses_in_one_line(self):
+        # A shell that exports no PATH (env -i bash) runs python3, found by name, with an empty
+        # environment: its sys.executable is empty.
+        bare = ["import os, sys", "os.execve(sys.executable, ['python3', *sys.argv[1:]], {})"]
+        bare = [sys.executable, "-I", "-S", "-c", "; ".join(bare),
+                os.path.join(ROOT, "run_experiment.py"), "--exec", "--only", "idempotent_lost_ack"]
+        done = subprocess.run(bare, capture_output=True, timeout=WATCHDOG)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn(b"1/1 scenarios hold their invariants", done.stdout)
+        if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("unshare")):
+            self.skipTest("hides /proc in a mount namespace of its own: needs unshare and root")
+        # Where /proc is hidden too, nothing proves which program runs: one line says why.
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none /proc && exec "$@"', "sh", *bare],
+                              capture_output=True, timeout=WATCHDOG)
+        self.assertEqual((done.returncode, done.stdout), (2, b""))
+        self.assertEqual(done.stderr.decode("utf-8"), "run_experiment.py: error: the Python"
+                         " interpreter is unknown (sys.executable is empty): run python3 by its"
+                         " full path, or export PATH\n")
+
 
 class TheFiveFilesRunAlone(unittest.TestCase):
     """Each article's five files, as ``run_experiment.py --download`` writes them into an empty

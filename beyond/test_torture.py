@@ -5,6 +5,7 @@ Run from the project root: ``python3 -m unittest beyond.test_torture``.
 """
 import contextlib
 import glob
+import io
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import preconditions
 import reliability
 import run_experiment
+import test_reliability as article1
 from beyond import torture
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torture.py")
@@ -152,6 +154,27 @@ class CommandLineTest(unittest.TestCase):
             self.assertNotIn("Traceback", err)
             # Its temporary folder is gone.
             self.assertEqual(os.listdir(directory), [])
+
+    @unittest.skipUnless(hasattr(os, "fork") and os.path.isdir("/proc"),
+                         "forked workers, a pseudo-terminal, Linux /proc")
+    def test_ctrl_c_sigterm_or_sighup_at_a_terminal_exit_130_in_one_line_leaving_nothing(self):
+        # Typed at a terminal; SIGTERM to it alone (it must stop its workers itself); a hang-up
+        # to its group.  A 60 s run is surely still running once its four workers have
+        # journaled.
+        stops = {"Ctrl-C": None, "SIGTERM to it alone": lambda pid: os.kill(pid, signal.SIGTERM),
+                 "SIGHUP to its group": lambda pid: os.killpg(pid, signal.SIGHUP)}
+        versions = io.StringIO()
+        run_experiment.versions(versions)
+        for label, stop in stops.items():
+            with self.subTest(label), tempfile.TemporaryDirectory() as directory:
+                journals = os.path.join(directory, "torture-*", "worker-*.journal")
+                done = article1.at_a_terminal(
+                    [shutil.which("env"), f"TMPDIR={directory}", sys.executable, SCRIPT, "60"],
+                    lambda pid, screen: len(glob.glob(journals)) == torture.WORKERS, stop)
+                self.assertEqual(done, (130, versions.getvalue()
+                                        + "beyond/torture.py: interrupted\n", []))
+                # Its temporary folder is gone.
+                self.assertEqual(os.listdir(directory), [])
 
 
 # --- machinery -------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ names, with the same keys and plan: the protocols must make that harmless.  Timi
 timed run different, so nothing of it goes into results.json; with --operations the work and
 the kills are fixed by the seed, only the interleaving is not.  It needs both reliability.py
 and preconditions.py, and os.fork (POSIX).  Exit status: 0 every invariant holds, 1 a
-violation, 2 bad usage, 130 interrupted.
+violation, 2 bad usage, 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: one line on stderr, and no
+process or folder of the run left behind).
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -72,14 +74,18 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
     base, alive_read, alive_write, began = None, None, None, time.monotonic()
 
     def spawn(index):
-        # SIGINT waits from the fork to the bookkeeping: a Ctrl-C in between would leave a
-        # worker unreaped.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        # A stop waits from the fork to the bookkeeping: one in between would leave a worker
+        # unknown to the cleanup below.
+        with run_experiment.stops_held():
             pids[index] = _spawn(base, index, seed, started, started + (seconds or 0), alive_read,
                                  alive_write, operations)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    def reap(index):
+        # Forgotten only once reaped: a stop in between leaves the cleanup a pid already gone,
+        # never a live worker it does not know.
+        code = _reap(base, index, pids[index], violations)
+        del pids[index]
+        return code
     try:
         # Inside the try: the folder is removed whatever happens.
         base = tempfile.mkdtemp(prefix="torture-", dir=directory)
@@ -91,7 +97,7 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
             spawn(index)
         for index in range(WORKERS) if operations is not None else ():
             # A worker that died at one of its kill points is restarted until it is done.
-            while _reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
+            while reap(index) == -signal.SIGKILL:
                 kills += 1
                 spawn(index)
         while operations is None:
@@ -101,7 +107,7 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
             time.sleep(pause)
             if index in pids:
                 os.kill(pids[index], signal.SIGKILL)
-                if _reap(base, index, pids.pop(index), violations) == -signal.SIGKILL:
+                if reap(index) == -signal.SIGKILL:
                     kills += 1
                     spawn(index)
         os.close(alive_write)
@@ -113,7 +119,7 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
                 os.kill(pid, signal.SIGKILL)
             select.select([alive_read], [], [], reliability.CHILD_TIMEOUT)
         for index in sorted(pids):
-            _reap(base, index, pids.pop(index), violations)
+            reap(index)
         _recover(base, int((time.monotonic() - started) * TICKS) + reliability.LEASE_TICKS)
         final = check(base, violations)
         done = dict.fromkeys(WORK, 0)
@@ -122,15 +128,24 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
                          _lines(_file(base, index, "journal"))}.values():
                 done[kind] += 1
     finally:
-        # Only after an error above: nothing may outlive the call.
-        for pid in pids.values():
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        for fd in (alive_read, alive_write):
-            if fd is not None:
-                os.close(fd)
-        if base is not None:
-            shutil.rmtree(base, ignore_errors=True)
+        # Only after an error or a stop above: nothing may outlive the call, and this cleanup
+        # is not stopped in turn.
+        with run_experiment.stops_held():
+            for pid in pids.values():
+                # One reaped just before the stop is gone already.
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            if alive_write is not None:
+                os.close(alive_write)
+                alive_write = None
+                # The tool children of the killed workers end on their closed pipes: EOF here
+                # once every one has, before their folder goes.
+                select.select([alive_read], [], [], reliability.CHILD_TIMEOUT)
+            if alive_read is not None:
+                os.close(alive_read)
+            if base is not None:
+                shutil.rmtree(base, ignore_errors=True)
     return {"seconds": seconds, "seed": seed, "workers": WORKERS, "sqlite": sqlite3.sqlite_version,
             "elapsed": round(time.monotonic() - began, 2), "operations": done, "kills": kills,
             "final": final, "violations": violations}
@@ -422,7 +437,8 @@ def report(summary):
 
 
 def main(argv=None):
-    """The command line; Ctrl-C prints one line and exits 130 (the workers end quietly)."""
+    """The command line; Ctrl-C, SIGTERM or SIGHUP prints one line and exits 130 (the workers
+    and their tool children end quietly first; see run_experiment.stop_on_signals())."""
     parser = argparse.ArgumentParser(prog="beyond/torture.py", description=__doc__.split("\n")[0])
     parser.add_argument("seconds", type=float, nargs="?", metavar="SECONDS",
                         help="kill workers at random moments for SECONDS")
@@ -449,7 +465,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    run_experiment.stop_on_signals()
     status = main()
-    # A Ctrl-C after the verdict changes nothing.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # After the verdict a stop changes nothing.
+    for number in run_experiment.STOPS:
+        signal.signal(number, signal.SIG_IGN)
     sys.exit(status)
