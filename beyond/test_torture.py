@@ -120,6 +120,14 @@ class CommandLineTest(unittest.TestCase):
                 done = subprocess.run([sys.executable, "-S", SCRIPT, *argv], capture_output=True,
                                       timeout=WATCHDOG)
                 self.assertEqual(done.returncode, 2, done.stderr)
+                # What is missing, or what is too much, is what the line says.
+                said = done.stderr.decode("utf-8").splitlines()[-1]
+                if argv in ([], ["1", "--operations", "5"]):
+                    self.assertEqual(said.endswith(", not both"), bool(argv), said)
+        done = subprocess.run([sys.executable, "-S", SCRIPT, "--help"], capture_output=True,
+                              timeout=WATCHDOG)
+        # The whole first paragraph of the docstring, not its first line cut mid-sentence.
+        self.assertIn(b"invariant is checked from the databases.", b" ".join(done.stdout.split()))
 
     @unittest.skipUnless(os.path.isdir("/proc"), "the interrupt goes to a process group (Linux)")
     def test_ctrl_c_exits_130_quietly_and_leaves_nothing_behind(self):

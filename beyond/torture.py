@@ -439,7 +439,8 @@ def report(summary):
 def main(argv=None):
     """The command line; Ctrl-C, SIGTERM or SIGHUP prints one line and exits 130 (the workers
     and their tool children end quietly first; see run_experiment.stop_on_signals())."""
-    parser = argparse.ArgumentParser(prog="beyond/torture.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="beyond/torture.py",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("seconds", type=float, nargs="?", metavar="SECONDS",
                         help="kill workers at random moments for SECONDS")
     parser.add_argument("--operations", type=int, metavar="N",
@@ -447,7 +448,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, metavar="N", help="fixes the work and the kills")
     args = parser.parse_args(argv)
     if (args.seconds is None) == (args.operations is None):
-        parser.error("give SECONDS or --operations N, not both")
+        parser.error("give SECONDS or --operations N" + ("" if args.seconds is None
+                                                          else ", not both"))
     if args.seconds is not None and not 0 < args.seconds < float("inf"):
         parser.error("SECONDS must be a positive number")
     if args.operations is not None and args.operations < 1:
