@@ -92,8 +92,11 @@ def parse(argv):
     parser.add_argument("--quick", action="store_true", help="fewer rounds and receives")
     parser.add_argument("--processes", type=int, default=PROCESSES, help="processes in line (8)")
     options = parser.parse_args(argv)
-    if options.processes < 2:
-        parser.error("--processes must be 2 or more")
+    # Each process receives an equal share of a round's receives: at least one each.
+    most = QUICK_RECEIVES if options.quick else RECEIVES
+    if not 2 <= options.processes <= most:
+        parser.error(f"--processes must be from 2 to {most}"
+                     f"{' with --quick' if options.quick else ''}, not {options.processes}")
     return options
 
 

@@ -28,6 +28,25 @@ BARE = [sys.executable, "-I", "-S", "-c",
         "import os, sys; os.execve(sys.executable, ['python3', *sys.argv[1:]], {})"]
 
 
+class TheBenchRefusesWhatItCannotRun(unittest.TestCase):
+    def test_a_process_count_it_cannot_run_is_one_usage_line_before_any_worker_starts(self):
+        # Every process receives a share of a round's receives, at least one.
+        for argv, most in ((["--processes", "1"], bench.RECEIVES),
+                           (["--processes", str(bench.RECEIVES + 1)], bench.RECEIVES),
+                           (["--quick", "--processes", str(bench.QUICK_RECEIVES + 1)],
+                            bench.QUICK_RECEIVES),
+                           (["--processes", str(10 ** 23)], bench.RECEIVES)):
+            with self.subTest(argv=argv):
+                done = subprocess.run([sys.executable, "-S", SCRIPT, *argv], capture_output=True,
+                                      timeout=WATCHDOG)
+                said = done.stderr.decode("utf-8").splitlines()
+                self.assertEqual((done.returncode, done.stdout), (2, b""))
+                self.assertTrue(said[-1].endswith(f"--processes must be from 2 to {most}"
+                                                  f"{' with --quick' if '--quick' in argv else ''}"
+                                                  f", not {argv[-1]}"), said)
+                self.assertTrue(said[0].startswith("usage: "), said)
+
+
 @unittest.skipUnless(os.path.exists("/proc/self/syscall"), "a pseudo-terminal, Linux /proc")
 class TheBenchStopsInOneLine(unittest.TestCase):
     def test_ctrl_c_sigterm_or_sighup_while_its_workers_run_exit_130_in_one_line(self):
