@@ -72,14 +72,16 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     nothing written, and ValueError for a deadline that is not seconds from 0 a float holds.
     ``<db>-queue`` is opened without following a symbolic link, and anything there but a
     regular file that begins with QUEUE_HEADER, or is empty, is refused, naming it, and
-    left as it was.  Without fcntl (Windows) it does nothing.
+    left as it was.  Made (or found empty, and this user's), it gets the database file's
+    permission bits whatever the umask, as SQLite's -wal and -shm do, so that everyone who
+    may write the database may take turns.  Without fcntl (Windows) it does nothing.
     """
     seconds = _seconds(deadline)
     if fcntl is None:
         yield connection
         return
     database = _database(connection)
-    line, queue = _open_line(database + "-queue")
+    line, queue = _open_line(database)
     ticket, bell = None, None
     try:
         first, drawn = _counters(line)
@@ -139,11 +141,16 @@ def _database(connection):
     return os.fsdecode(row[0])
 
 
-def _open_line(path):
-    # (descriptor, os.stat) of the line at ``path``, made if missing.  Never through a
+def _open_line(database):
+    # (descriptor, os.stat) of the line of ``database``, made if missing.  Never through a
     # symbolic link, and never writing into a file that is not a line.
+    path = database + "-queue"
+    # SQLite makes a -wal or -shm with exactly the database's permission bits, whatever the
+    # umask (unixOpen and robust_open: open, then fchmod a file still empty), so that all who
+    # may write the database may write those too: a group sharing a folder, say.
+    mode = os.stat(database).st_mode & 0o777
     try:
-        line = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        line = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, "a symbolic link: queued() never follows one",
@@ -153,6 +160,13 @@ def _open_line(path):
         queue = os.fstat(line)
         if not stat.S_ISREG(queue.st_mode):
             raise OSError(errno.EINVAL, "not a regular file, so not queued()'s line", path)
+        # The umask may have taken bits from the mode: put them back, as SQLite does, while the
+        # file is empty, and only in a file of our own: one someone else made keeps the mode
+        # they gave it.  Refused (a file system without modes), it stays as made, as SQLite's.
+        if (queue.st_size == 0 and queue.st_uid == os.geteuid()
+                and (queue.st_mode & 0o777) != mode):
+            with contextlib.suppress(OSError):
+                os.fchmod(line, mode)
         header = os.pread(line, len(QUEUE_HEADER), 0)
         if header != QUEUE_HEADER:
             if not QUEUE_HEADER.startswith(header):
