@@ -55,9 +55,10 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     takes it at once when nobody is in line; otherwise it draws a ticket and holds its
     ticket's byte, its place in line, until no earlier place is held and the turn is free.
     Whoever leaves the turn, or the line, wakes the first in line (on Linux, a datagram to
-    a socket named after its ticket); a waiter also looks every QUEUE_CHECK seconds, in case
-    the one who should have woken it died.  The kernel drops a process's locks when it
-    dies, even one that forked, so a dead writer holds up nobody.
+    a socket named after its ticket, closed by a writer giving up before it lets go, so that
+    a wake-up goes past it); a waiter also looks every QUEUE_CHECK seconds, in case the one
+    who should have woken it died.  The kernel drops a process's locks when it dies, even
+    one that forked, so a dead writer holds up nobody.
 
     What it buys and costs, as ``python3 beyond/bench.py`` measures it (8 processes on one
     file; three runs on an otherwise idle 2-core VM): the slowest receive took 136-206
@@ -114,12 +115,17 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
         yield connection
     finally:
         try:
+            # Deaf before we let go: a wake-up that lands on a bell about to close stops there
+            # and is lost, and the next in line would wait for its own look.  With the bell
+            # closed first, a wake-up sent while we still hold our place goes past us (the next
+            # finds our place held and listens again), and one that reached us before is rung
+            # on by our own wake-up below, sent once our place is free.
+            if bell is not None:
+                bell.close()
             # Every lock this process holds on the line, at once: the turn, a place, the counter.
             fcntl.lockf(line, fcntl.LOCK_UN)
             _ring_first(line, queue, ticket)
         finally:
-            if bell is not None:
-                bell.close()
             os.close(line)
 
 
@@ -255,9 +261,10 @@ def _bell_name(queue, ticket):
 
 def _ring_first(line, queue, own):
     # Wakes the first writer who listens, from the ticket to wake next on: one who died or
-    # gave up has no bell any more, and one who has not bound it yet looks for itself once
-    # it has.  Never ``own``: a writer giving up listens until it has left.  A full bell has
-    # its wake-ups already: never wait for one to be read.
+    # gave up has no bell any more (queued() closes it before it lets go), and one who has
+    # not bound it yet looks for itself once it has.  Never ``own``: whoever still holds that
+    # name (a child that inherited our bell, or one whose bind made ours fail) is not in line.
+    # A full bell has its wake-ups already: never wait for one to be read.
     first, drawn = _counters(line)
     if first >= drawn or not sys.platform.startswith("linux"):
         return

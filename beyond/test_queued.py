@@ -339,6 +339,19 @@ class LeavingTest(unittest.TestCase):
             line.tell("gave up")
             self.assertEqual(line.finish("gave up"), (0, json.dumps("busy")))
 
+    def test_a_wake_up_rings_past_a_writer_who_gave_up_and_has_not_left_yet(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            # Ticket 0: it gives up, and is held inside queued() once it has rung as it leaves.
+            line.talk("gave up", _give_up_and_stay_after_ringing)
+            line.heard("gave up")
+            # Ticket 1, behind it: it never looks for itself, only a wake-up lets it go.
+            line.talk("only woken", _only_woken, joins=True)
+            # Leaving the turn, the holder rings from ticket 0: past the one who gave up.
+            line.release()
+            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+            line.tell("gave up")
+            self.assertEqual(line.finish("gave up"), (0, json.dumps("busy")))
+
     def test_a_writer_who_takes_the_turn_at_once_moves_the_line_past_writers_gone(self):
         with workspace() as ws:
             with Line(ws.path("receiver"), ws.path("granted")) as line:
@@ -607,6 +620,20 @@ def _give_up_and_stay(database, said, leave):
     os.write(said, b"in")
     os.read(leave, 1)
     return outcome
+
+
+def _give_up_and_stay_after_ringing(database, said, leave):
+    """Gives up in line and, once it has rung as it leaves, says so and stays inside queued()
+    until told to leave, as a writer the scheduler held up there would."""
+    ring = line_mod._ring_first
+
+    def ring_and_stay(*args):
+        ring(*args)
+        os.write(said, b"in")
+        os.read(leave, 1)
+    # This process's own copy of the module.
+    line_mod._ring_first = ring_and_stay
+    return _give_up(database)
 
 
 def _only_woken(database, said, leave):
