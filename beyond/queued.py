@@ -55,9 +55,10 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     takes it at once when nobody is in line; otherwise it draws a ticket and holds its
     ticket's byte, its place in line, until no earlier place is held and the turn is free.
     Whoever leaves the turn, or the line, wakes the first in line (on Linux, a datagram to
-    a socket named after its ticket); a waiter also looks every QUEUE_CHECK seconds, in case
-    the one who should have woken it died.  The kernel drops a process's locks when it
-    dies, even one that forked, so a dead writer holds up nobody.
+    a socket named after its ticket, closed by a writer giving up before it lets go, so that
+    a wake-up goes past it); a waiter also looks every QUEUE_CHECK seconds, in case the one
+    who should have woken it died.  The kernel drops a process's locks when it dies, even
+    one that forked, so a dead writer holds up nobody.
 
     What it buys and costs, as ``python3 beyond/bench.py`` measures it (8 processes on one
     file; three runs on an otherwise idle 2-core VM): the slowest receive took 136-206
@@ -72,14 +73,16 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
     nothing written, and ValueError for a deadline that is not seconds from 0 a float holds.
     ``<db>-queue`` is opened without following a symbolic link, and anything there but a
     regular file that begins with QUEUE_HEADER, or is empty, is refused, naming it, and
-    left as it was.  Without fcntl (Windows) it does nothing.
+    left as it was.  Made (or found empty, and this user's), it gets the database file's
+    permission bits whatever the umask, as SQLite's -wal and -shm do, so that everyone who
+    may write the database may take turns.  Without fcntl (Windows) it does nothing.
     """
     seconds = _seconds(deadline)
     if fcntl is None:
         yield connection
         return
     database = _database(connection)
-    line, queue = _open_line(database + "-queue")
+    line, queue = _open_line(database)
     ticket, bell = None, None
     try:
         first, drawn = _counters(line)
@@ -112,12 +115,17 @@ def queued(connection, *, deadline=BUSY_TIMEOUT):
         yield connection
     finally:
         try:
+            # Deaf before we let go: a wake-up that lands on a bell about to close stops there
+            # and is lost, and the next in line would wait for its own look.  With the bell
+            # closed first, a wake-up sent while we still hold our place goes past us (the next
+            # finds our place held and listens again), and one that reached us before is rung
+            # on by our own wake-up below, sent once our place is free.
+            if bell is not None:
+                bell.close()
             # Every lock this process holds on the line, at once: the turn, a place, the counter.
             fcntl.lockf(line, fcntl.LOCK_UN)
             _ring_first(line, queue, ticket)
         finally:
-            if bell is not None:
-                bell.close()
             os.close(line)
 
 
@@ -139,11 +147,16 @@ def _database(connection):
     return os.fsdecode(row[0])
 
 
-def _open_line(path):
-    # (descriptor, os.stat) of the line at ``path``, made if missing.  Never through a
+def _open_line(database):
+    # (descriptor, os.stat) of the line of ``database``, made if missing.  Never through a
     # symbolic link, and never writing into a file that is not a line.
+    path = database + "-queue"
+    # SQLite makes a -wal or -shm with exactly the database's permission bits, whatever the
+    # umask (unixOpen and robust_open: open, then fchmod a file still empty), so that all who
+    # may write the database may write those too: a group sharing a folder, say.
+    mode = os.stat(database).st_mode & 0o777
     try:
-        line = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        line = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, "a symbolic link: queued() never follows one",
@@ -153,6 +166,13 @@ def _open_line(path):
         queue = os.fstat(line)
         if not stat.S_ISREG(queue.st_mode):
             raise OSError(errno.EINVAL, "not a regular file, so not queued()'s line", path)
+        # The umask may have taken bits from the mode: put them back, as SQLite does, while the
+        # file is empty, and only in a file of our own: one someone else made keeps the mode
+        # they gave it.  Refused (a file system without modes), it stays as made, as SQLite's.
+        if (queue.st_size == 0 and queue.st_uid == os.geteuid()
+                and (queue.st_mode & 0o777) != mode):
+            with contextlib.suppress(OSError):
+                os.fchmod(line, mode)
         header = os.pread(line, len(QUEUE_HEADER), 0)
         if header != QUEUE_HEADER:
             if not QUEUE_HEADER.startswith(header):
@@ -241,9 +261,10 @@ def _bell_name(queue, ticket):
 
 def _ring_first(line, queue, own):
     # Wakes the first writer who listens, from the ticket to wake next on: one who died or
-    # gave up has no bell any more, and one who has not bound it yet looks for itself once
-    # it has.  Never ``own``: a writer giving up listens until it has left.  A full bell has
-    # its wake-ups already: never wait for one to be read.
+    # gave up has no bell any more (queued() closes it before it lets go), and one who has
+    # not bound it yet looks for itself once it has.  Never ``own``: whoever still holds that
+    # name (a child that inherited our bell, or one whose bind made ours fail) is not in line.
+    # A full bell has its wake-ups already: never wait for one to be read.
     first, drawn = _counters(line)
     if first >= drawn or not sys.platform.startswith("linux"):
         return

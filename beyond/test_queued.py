@@ -14,6 +14,7 @@ import select
 import shutil
 import signal
 import sqlite3
+import stat
 import sys
 import tempfile
 import time
@@ -34,6 +35,9 @@ CHILD_DEADLINE = 60.0
 LINUX = line_mod.fcntl is not None and sys.platform.startswith("linux")
 PAYLOAD = {"title": "打印机卡纸", "priority": 2}
 TEMPLATE = {}
+# Two users of one group, as root becomes them: nobody, and a uid no account has.
+TEAM_GID, TEAM_UIDS = 65534, (65534, 65533)
+ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 
 @unittest.skipUnless(LINUX, "POSIX record locks, and Linux's wake-ups by datagram")
@@ -127,6 +131,39 @@ class LineFileTest(unittest.TestCase):
                     receive(ws)
                 self.assertEqual(read_bytes(ws.queue), line_mod.QUEUE_HEADER)
                 self.assertEqual(tickets(ws), 1)
+
+    def test_a_line_it_makes_takes_the_database_files_permission_bits_whatever_the_umask(self):
+        for mode, umask in ((0o664, 0o002), (0o660, 0o077), (0o600, 0o000)):
+            with self.subTest(mode=oct(mode), umask=oct(umask)), workspace() as ws:
+                os.chmod(ws.path("receiver"), mode)
+                # Process-wide, so put back before anything else runs.
+                previous = os.umask(umask)
+                try:
+                    with line_mod.queued(ws.receiver):
+                        receive(ws)
+                finally:
+                    os.umask(previous)
+                self.assertEqual(permissions(ws.queue), mode)
+                # SQLite's own -wal, made meanwhile under the same umask, says the same.
+                self.assertEqual(permissions(ws.path("receiver") + "-wal"), mode)
+
+    def test_a_line_file_found_keeps_its_mode_unless_it_is_empty_and_this_users(self):
+        for content, owner, kept in ((line_mod.QUEUE_HEADER, None, True),
+                                     (line_mod.QUEUE_HEADER[:5], None, True),
+                                     (b"", None, False), (b"", TEAM_UIDS[0], True)):
+            with self.subTest(content=content, owner=owner), workspace() as ws:
+                if owner is not None and not ROOT:
+                    self.skipTest("a file another user made needs root to make")
+                os.chmod(ws.path("receiver"), 0o664)
+                with open(ws.queue, "wb") as handle:
+                    handle.write(content)
+                os.chmod(ws.queue, 0o606)
+                if owner is not None:
+                    os.chown(ws.queue, owner, -1)
+                with line_mod.queued(ws.receiver):
+                    receive(ws)
+                self.assertEqual(permissions(ws.queue), 0o606 if kept else 0o664)
+                self.assertEqual(read_bytes(ws.queue), line_mod.QUEUE_HEADER)
 
     def test_a_database_whose_path_is_not_utf8_queues_like_any_other(self):
         with workspace(os.fsdecode(b"caf\xe9")) as ws:
@@ -302,6 +339,19 @@ class LeavingTest(unittest.TestCase):
             line.tell("gave up")
             self.assertEqual(line.finish("gave up"), (0, json.dumps("busy")))
 
+    def test_a_wake_up_rings_past_a_writer_who_gave_up_and_has_not_left_yet(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            # Ticket 0: it gives up, and is held inside queued() once it has rung as it leaves.
+            line.talk("gave up", _give_up_and_stay_after_ringing)
+            line.heard("gave up")
+            # Ticket 1, behind it: it never looks for itself, only a wake-up lets it go.
+            line.talk("only woken", _only_woken, joins=True)
+            # Leaving the turn, the holder rings from ticket 0: past the one who gave up.
+            line.release()
+            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+            line.tell("gave up")
+            self.assertEqual(line.finish("gave up"), (0, json.dumps("busy")))
+
     def test_a_writer_who_takes_the_turn_at_once_moves_the_line_past_writers_gone(self):
         with workspace() as ws:
             with Line(ws.path("receiver"), ws.path("granted")) as line:
@@ -384,6 +434,33 @@ class LeavingTest(unittest.TestCase):
                         os.waitpid(pid, 0)
 
 
+@unittest.skipUnless(LINUX, "POSIX record locks, and Linux's wake-ups by datagram")
+class TeamTest(unittest.TestCase):
+    """Beyond 第一篇: every member of a group who may write the database may take turns."""
+
+    @unittest.skipUnless(ROOT, "becoming two users of one group needs root")
+    def test_a_second_member_of_the_group_takes_turns_on_the_line_the_first_made(self):
+        # SQLite gives its -wal the database's mode whatever the umask: a stricter one changes
+        # nothing.
+        for umask in (0o002, 0o022):
+            with self.subTest(umask=oct(umask)), workspace("team") as ws:
+                database = ws.path("receiver")
+                # The temporary directory above the folder, which only its owner may enter.
+                os.chmod(os.path.dirname(ws.root), 0o711)
+                for path, mode in ((ws.root, 0o775), (database, 0o664)):
+                    os.chown(path, 0, TEAM_GID)
+                    os.chmod(path, mode)
+                self.assertFalse(os.path.exists(ws.queue))
+                first = run_experiment.run_forked(_as_member, database, TEAM_UIDS[0], umask, "k1")
+                # The first member made the line.
+                self.assertEqual(os.stat(ws.queue).st_uid, TEAM_UIDS[0])
+                second = run_experiment.run_forked(_as_member, database, TEAM_UIDS[1], umask,
+                                                   "k2")
+                member = {"turn": "had the turn", "line": 0o664, "-wal": 0o664}
+                self.assertEqual([first, second], [member, member])
+                self.assertEqual(tickets(ws), 2)
+
+
 # --- machinery: workspaces, the line's file, writers in their own processes ---------------
 
 def setUpModule():
@@ -449,6 +526,10 @@ def read_bytes(path):
         return handle.read()
 
 
+def permissions(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
 def counters(database):
     """(the ticket to wake next, tickets drawn), as stored in ``<db>-queue`` after its header."""
     stored = read_bytes(database + "-queue")[line_mod.QUEUE_TICKETS:][:16].ljust(16, b"\0")
@@ -502,6 +583,24 @@ def _write_in_turn(database, name, log, deadline=CHILD_DEADLINE):
     return name
 
 
+def _as_member(database, uid, umask, key):
+    """As user ``uid`` of TEAM_GID alone, under ``umask``: writes in its turn and says so, with
+    the permission bits of the line and of SQLite's -wal; or the error that stopped it."""
+    os.setgroups([])
+    os.setgid(TEAM_GID)
+    os.setuid(uid)
+    os.umask(umask)
+    try:
+        with contextlib.closing(reliability.connect(database)) as connection:
+            with line_mod.queued(connection, deadline=0):
+                reliability.receive(connection, "agent", key, PAYLOAD, issued_at=0, now=0)
+            # While the connection is open, SQLite's -wal is there.
+            return {"turn": "had the turn", "line": permissions(database + "-queue"),
+                    "-wal": permissions(database + "-wal")}
+    except OSError as error:
+        return {"turn": f"{type(error).__name__}: {error}"}
+
+
 def _give_up(database, times=1, deadline=0.01):
     """Waits in line ``deadline`` seconds ``times`` times: "busy" each time the turn is held."""
     with contextlib.closing(reliability.connect(database)) as connection:
@@ -523,10 +622,24 @@ def _give_up_and_stay(database, said, leave):
     return outcome
 
 
+def _give_up_and_stay_after_ringing(database, said, leave):
+    """Gives up in line and, once it has rung as it leaves, says so and stays inside queued()
+    until told to leave, as a writer the scheduler held up there would."""
+    ring = line_mod._ring_first
+
+    def ring_and_stay(*args):
+        ring(*args)
+        os.write(said, b"in")
+        os.read(leave, 1)
+    # This process's own copy of the module.
+    line_mod._ring_first = ring_and_stay
+    return _give_up(database)
+
+
 def _only_woken(database, said, leave):
     """Stands in line like queued() does but never looks for itself: it only learns that its
     turn may have come from a wake-up on its bell, and says what it heard (None: nothing)."""
-    line, queue = line_mod._open_line(database + "-queue")
+    line, queue = line_mod._open_line(database)
     line_mod.fcntl.lockf(line, line_mod.fcntl.LOCK_EX, 1, line_mod.QUEUE_COUNTER)
     ticket = line_mod._counters(line)[1]
     line_mod.fcntl.lockf(line, line_mod.fcntl.LOCK_EX, 1, line_mod.QUEUE_PLACES + ticket)
@@ -544,7 +657,7 @@ def _only_woken(database, said, leave):
 def _look_and_stay(database, said, leave):
     """Holds the shared lock a writer takes for a moment to look at the line, as one stopped
     while it looks would, until told to leave."""
-    line, _ = line_mod._open_line(database + "-queue")
+    line, _ = line_mod._open_line(database)
     line_mod.fcntl.lockf(line, line_mod.fcntl.LOCK_SH, 0, line_mod.QUEUE_PLACES)
     os.write(said, b"in")
     return os.read(leave, 1).decode()
