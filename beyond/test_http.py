@@ -785,6 +785,23 @@ class CommandLine(unittest.TestCase):
             self.assertTrue(nobody.stdout.startswith(b"no response: "), nobody.stdout)
 
 
+# === beyond/bench.py's row: it runs (its figures belong to the machine, not to a test) =====
+
+class TheBenchRow(unittest.TestCase):
+    def test_one_run_measures_both_servers_and_gives_a_ratio(self):
+        from beyond import bench
+        saved = bench.QUICK_HTTP_ROUNDS, bench.QUICK_HTTP_RECEIVES
+        bench.QUICK_HTTP_ROUNDS, bench.QUICK_HTTP_RECEIVES = 1, 2
+        try:
+            with tempfile.TemporaryDirectory() as root:
+                clients, rounds, through, bare, ratio = bench.http_cost(root, True)
+        finally:
+            bench.QUICK_HTTP_ROUNDS, bench.QUICK_HTTP_RECEIVES = saved
+        self.assertEqual((clients, rounds), (8, 1))
+        self.assertGreater(min(through, bare, ratio), 0)
+        self.assertIn("ratio", bench.http_row(clients, rounds, through, bare, ratio))
+
+
 # === beyond/README.md: its tables and its walk-throughs, as printed ========================
 
 class TheReadme(unittest.TestCase):
