@@ -1,7 +1,7 @@
 """Beyond 第一篇: what queued() buys and costs, three ways of waiting side by side in one run.
 
-Run from the project root:  python3 beyond/bench.py            (about 40 s)
-                            python3 beyond/bench.py --quick    (about 10 s)
+Run from the project root:  python3 beyond/bench.py            (about 60 s)
+                            python3 beyond/bench.py --quick    (about 15 s)
 
 N processes (8 unless --processes says otherwise), each its own interpreter as agents are,
 call reliability.receive() with new keys on one receiver.db; the same work is also done by

@@ -514,8 +514,9 @@ def _no_constant(name):
 def decide(state, act, *arguments, checks_input=False, **options):
     """act(*arguments, **options) as the service's only writer: its threads take turns here,
     so that none sleeps in SQLite's busy handler, and other processes meet BEGIN IMMEDIATE.
-    Waiting longer than the busy time-out is 503 with nothing written.  Where ``act``
-    ``checks_input`` before its transaction, what it refuses is 400."""
+    Waiting longer than the busy time-out is 503 with nothing written.  With
+    ``checks_input``, ``act`` checks its input before its transaction, so that a ValueError or
+    TypeError from it is the input's: 400."""
     if not state.writer.acquire(timeout=state.busy_timeout):
         raise Problem("busy", f"the service's writers held the database for over"
                       f" {state.busy_timeout:g} s", retry=True)
