@@ -1,8 +1,10 @@
-"""Beyond 第一篇 and 第七篇: the receipt behind Idempotency-Key and the plan behind If-Match, over
-HTTP/1.1, with responses really lost on the wire.
+"""Beyond 第一篇 and 第七篇 over HTTP: the receipt behind Idempotency-Key, the plan behind If-Match.
 
-  python3 beyond/service.py serve ROOT [--crash BOUNDARY]     the service, on 127.0.0.1
-  python3 beyond/service.py dispatch ROOT URL --now T          the outbox's sender, over HTTP
+HTTP/1.1 on 127.0.0.1, with responses really lost on the wire.
+
+  python3 beyond/service.py serve ROOT [--crash BOUNDARY] > OUT &   the service, on 127.0.0.1
+  python3 beyond/service.py wait-url OUT                        where it listens, once it does
+  python3 beyond/service.py dispatch ROOT URL --now T           the outbox's sender, over HTTP
   python3 beyond/service.py request METHOD URL [-H ...] [--json BODY]    a reader's client
 
 The guarantee.  Every request that changes anything names its decision in Idempotency-Key and
@@ -867,8 +869,6 @@ def main(argv=None):
 
 
 def _serve(args):
-    server = make_server(args.root, port=args.port, busy_timeout=args.busy_timeout,
-                         read_timeout=args.read_timeout)
     stop = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
     def stopped(number, frame):
@@ -879,6 +879,8 @@ def _serve(args):
         os._exit(stop[number])
     for number in stop:
         signal.signal(number, stopped)
+    server = make_server(args.root, port=args.port, busy_timeout=args.busy_timeout,
+                         read_timeout=args.read_timeout)
     host, port = server.server_address[:2]
     sys.stdout.write(f"http://{host}:{port}\n")
     sys.stdout.flush()
