@@ -1,7 +1,7 @@
 """Beyond 第一篇: what queued() buys and costs, three ways of waiting side by side in one run.
 
-Run from the project root:  python3 beyond/bench.py            (about 40 s)
-                            python3 beyond/bench.py --quick    (about 10 s)
+Run from the project root:  python3 beyond/bench.py            (about 60 s)
+                            python3 beyond/bench.py --quick    (about 15 s)
 
 N processes (8 unless --processes says otherwise), each its own interpreter as agents are,
 call reliability.receive() with new keys on one receiver.db; the same work is also done by
@@ -68,6 +68,7 @@ def main(argv=None):
     try:
         with tempfile.TemporaryDirectory(prefix="bench-") as root:
             figures, floor = measure(root, options.processes, rounds, receives)
+            over_http = http_cost(root, options.quick)
     except KeyboardInterrupt:
         # The workers are killed and reaped, the folder removed (workers(), the with above).
         print("beyond/bench.py: interrupted", file=sys.stderr)
@@ -84,6 +85,7 @@ def main(argv=None):
         p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
         print(f"{label:22} {alone / floor:5.2f} {speedup:8.2f} {speedup / ideal:9.2f}"
               f" {p99 / floor:4.0f} {times[-1] / floor:6.0f} {errors:7}")
+    print(http_row(*over_http))
     return 0
 
 
@@ -246,6 +248,172 @@ def floor_commit(connection):
         connection.execute("INSERT INTO t (v) VALUES ('v')")
         connection.execute("COMMIT")
     return (time.perf_counter() - start) / FLOOR_COMMITS
+
+
+# --- beyond/service.py: what receive() over HTTP costs, against the same SQL without it ------
+
+# Keep-alive clients, rounds, and receives per client in each run of each server, in a full run
+# and with --quick.
+HTTP_CLIENTS = 8
+HTTP_ROUNDS, HTTP_RECEIVES = 16, 60
+QUICK_HTTP_ROUNDS, QUICK_HTTP_RECEIVES = 8, 30
+
+
+def http_cost(root, quick):
+    """One receive() over HTTP: beyond/service.py's POST /callers/CALLER/tickets, against the
+    same HTTP round trip to a bare handler that runs the same receive() and nothing of the
+    protocol (no Idempotency-Key, envelope, problem details or input checks of its own).  Both
+    are http.server's ThreadingHTTPServer on 127.0.0.1 in a process of its own, on a
+    receiver.db of its own, with one writer at a time; HTTP_CLIENTS keep-alive clients, each a
+    process, send new keys to one and then the other, in an order rotated every round.
+    Returns (clients, rounds, seconds per receive through each, the median of the rounds'
+    ratios service / bare)."""
+    import multiprocessing
+    import preconditions
+    from beyond import service
+    rounds, receives = (QUICK_HTTP_ROUNDS, QUICK_HTTP_RECEIVES) if quick else (
+        HTTP_ROUNDS, HTTP_RECEIVES)
+    context = multiprocessing.get_context("spawn")
+    urls, results = context.Queue(), context.Queue()
+    gate = context.Barrier(HTTP_CLIENTS + 1)
+    jobs = [context.Queue() for _ in range(HTTP_CLIENTS)]
+    servers, clients = [], []
+    try:
+        for kind in ("service", "bare"):
+            folder = os.path.join(root, f"http-{kind}")
+            reliability.init(folder)
+            preconditions.init(os.path.join(folder, service.PLANS), {"A": 1})
+            servers.append(context.Process(target=_http_server, args=(kind, folder, urls),
+                                           daemon=True))
+            servers[-1].start()
+        url = dict(_http_result(urls, servers) for _ in servers)
+        clients = [context.Process(target=_http_client, args=(jobs[me], results, gate),
+                                   daemon=True) for me in range(HTTP_CLIENTS)]
+        for client in clients:
+            client.start()
+        per = {"service": [], "bare": []}
+        for k in range(-1, rounds):
+            for kind in ("service", "bare") if k % 2 else ("bare", "service"):
+                for me in range(HTTP_CLIENTS):
+                    jobs[me].put((url[kind], kind, receives, f"{k}-{me}"))
+                gate.wait(WATCHDOG)
+                measured = [_http_result(results, servers + clients) for _ in clients]
+                if any(errors for _, _, errors in measured):
+                    raise RuntimeError(f"{kind}: a request failed")
+                start = min(begin for begin, _, _ in measured)
+                end = max(finish for _, finish, _ in measured)
+                # Round -1 warms both up: past the -wal's growth and the first checkpoint.
+                if k >= 0:
+                    per[kind].append((end - start) / (receives * HTTP_CLIENTS))
+        for job in jobs:
+            job.put(None)
+        for client in clients:
+            client.join(WATCHDOG)
+    finally:
+        for process in servers + clients:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    ratios = [service / bare for service, bare in zip(per["service"], per["bare"])]
+    return (HTTP_CLIENTS, rounds, statistics.median(per["service"]),
+            statistics.median(per["bare"]), statistics.median(ratios))
+
+
+def _http_result(results, processes):
+    """The next result, failing at once when one of ``processes`` has died."""
+    silence = time.monotonic() + WATCHDOG
+    while True:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            codes = [process.exitcode for process in processes]
+            if codes.count(None) < len(codes) or time.monotonic() > silence:
+                raise RuntimeError(f"a server or client died or hung (exit codes {codes})")
+
+
+def http_row(clients, rounds, service, bare, ratio):
+    return (f"receive over HTTP, {clients} keep-alive clients, median of {rounds} rounds:"
+            f" service.py {service * 1e6:.0f} us, the same SQL behind a bare handler"
+            f" {bare * 1e6:.0f} us, ratio {ratio:.2f}")
+
+
+def _http_server(kind, folder, urls):
+    """Serve ``folder`` until killed: beyond/service.py, or the bare handler."""
+    import http.server
+    import json
+    import threading
+    from beyond import service
+    if kind == "service":
+        server = service.make_server(folder)
+    else:
+        class Bare(http.server.BaseHTTPRequestHandler):
+            # As the service's handler is, but its request is the article's pipe line as JSON.
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def setup(self):
+                self.database = reliability.connect(os.path.join(folder, reliability.RECEIVER))
+                super().setup()
+
+            def finish(self):
+                try:
+                    super().finish()
+                finally:
+                    self.database.close()
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with writer:
+                    answer = reliability.receive(
+                        self.database, request["caller"], request["key"], request["payload"],
+                        issued_at=request["issued_at"], now=request["now"])
+                body = json.dumps(answer).encode("utf-8")
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *arguments):
+                pass
+        writer = threading.Lock()
+        server = http.server.ThreadingHTTPServer((service.HOST, 0), Bare)
+    urls.put((kind, "http://%s:%d" % server.server_address[:2]))
+    server.serve_forever()
+
+
+def _http_client(jobs, results, gate):
+    """For each job (url, kind, receives, tag) until None: one keep-alive connection, one
+    untimed receive, the gate, then ``receives`` new keys; (start, end, errors) to
+    ``results``."""
+    import http.client
+    import json
+    import urllib.parse
+    for url, kind, receives, tag in iter(jobs.get, None):
+        parts = urllib.parse.urlsplit(url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WATCHDOG)
+        errors = 0
+
+        def receive(key):
+            if kind == "service":
+                body = {"payload": PAYLOAD, "now": 0}
+                path, headers = "/callers/bench/tickets", {"Idempotency-Key": f'"{key}"'}
+            else:
+                body = {"caller": "bench", "key": key, "payload": PAYLOAD, "issued_at": 0,
+                        "now": 0}
+                path, headers = "/receive", {}
+            headers["Content-Type"] = "application/json"
+            connection.request("POST", path, json.dumps(body).encode("utf-8"), headers)
+            response = connection.getresponse()
+            response.read()
+            return response.status < 300
+        receive(f"{tag}-warm")
+        gate.wait(WATCHDOG)
+        start = time.perf_counter()
+        for i in range(receives):
+            errors += not receive(f"{tag}-{i}")
+        results.put((start, time.perf_counter(), errors))
+        connection.close()
 
 
 if __name__ == "__main__":
