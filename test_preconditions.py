@@ -657,6 +657,9 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         # Nobody may look inside; and the temporary directory can go whatever the test did.
         os.chmod(self.dir, 0o755)
         self.addCleanup(os.chmod, folder, 0o755)
+        # Another user must pass through every folder above (TMPDIR may be private).
+        if not run_experiment.run_forked(lambda: _become_nobody() or os.path.exists(folder)):
+            self.skipTest(f"another user cannot reach {folder}: TMPDIR is private")
         for name, file_mode, folder_mode in (("unreadable.db", 0o000, 0o755),
                                              ("read-only.db", 0o444, 0o755),
                                              ("in-read-only-dir.db", 0o666, 0o555),
