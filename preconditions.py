@@ -675,7 +675,8 @@ def _wait_for_go():
         raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
-# What stops a command at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+# twin: what stops a command at the command line, as Ctrl-C does (SIGHUP: where the
+# system has it); STOPS, _stop_on_signals and _interrupted are identical in both modules.
 STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
 

@@ -1316,7 +1316,8 @@ def _claimed_row(connection, caller, key, attempt, now):
             "payload": json.loads(text), "issued_at": issued_at, "now": now}
 
 
-# What stops a command at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+# twin: what stops a command at the command line, as Ctrl-C does (SIGHUP: where the
+# system has it); STOPS, _stop_on_signals and _interrupted are identical in both modules.
 STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
 

@@ -386,7 +386,8 @@ class TheTwinsAreIdentical(unittest.TestCase):
         mine, theirs = article7.definitions(PRECONDITIONS), article7.definitions(RELIABILITY)
         for name in ["MAX_TICK", "BUSY_TIMEOUT", "_dumps", "transaction", "check_ticks", "_open",
                      "_check_kind", "_check_file", "_create", "wal_reset_bug", "_text",
-                     "_json_argument", "_no_repeats"]:
+                     "_json_argument", "_no_repeats", "STOPS", "_stop_on_signals",
+                     "_interrupted"]:
             with self.subTest(name):
                 self.assertIn(name, theirs)
                 self.assertEqual(mine[name][1], theirs[name][1])
