@@ -1247,6 +1247,8 @@ ARGUMENTS = {
     "--window": {"type": int, "required": True, "metavar": "W",
                  "help": "ticks of receipts to keep"},
 }
+
+
 def _parser():
     import argparse
     parser = argparse.ArgumentParser(
