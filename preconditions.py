@@ -143,18 +143,25 @@ def execute(c, op, command, *, issued_at, now):
     return result
 
 
-def change(c, op, name, delta, *, issued_at, now):
+def change(c, op, name, delta, *, issued_at, now, expected=None):
     """第七篇 §4: the other business write: quantity + delta and revision + 1, every time.
 
     Exactly once per op like execute(): a receipt in the same transaction, "replayed" /
-    "conflict" for the op again.  Refusals are stored too: missing_resource, insufficient
-    (the quantity would go negative), overflow.
+    "conflict" for the op again.  Refusals are stored too: missing_resource, stale (beyond the
+    article: ``expected`` lists the revisions the change was planned on, and the resource has
+    none of them), insufficient (the quantity would go negative), overflow.
     """
     _check_text(op, "op", MAX_OP_LENGTH)
     _check_text(name, "name", MAX_NAME_LENGTH)
     _check_int(delta, "delta", -MAX_INT64, MAX_INT64)
     check_ticks(issued_at, now)
-    digest = hashlib.sha256(_dumps({"change": name, "delta": delta}).encode("utf-8")).hexdigest()
+    command = {"change": name, "delta": delta}
+    if expected is not None:
+        # Part of the command: the same op planned on other revisions is a conflict.
+        for revision in expected:
+            _check_int(revision, "an expected revision", 1, MAX_INT64)
+        command["expected"] = sorted(set(expected))
+    digest = hashlib.sha256(_dumps(command).encode("utf-8")).hexdigest()
     with transaction(c):
         answer = history(c, op, digest) or _expired(c, op, issued_at)
         if answer:
@@ -163,6 +170,8 @@ def change(c, op, name, delta, *, issued_at, now):
                         (name,)).fetchone()
         if row is None:
             result = {"status": "missing_resource", "missing": [name]}
+        elif expected is not None and row[1] not in command["expected"]:
+            result = {"status": "stale", "observed": {name: row[1]}}
         elif row[0] + delta < 0:
             result = {"status": "insufficient", "available": row[0]}
         elif row[0] + delta > MAX_INT64 or row[1] >= MAX_INT64:

@@ -268,6 +268,27 @@ class ChangeIsAnOperationLikeATransfer(Case):
         self.assertEqual(self.x("op-1"), {"status": "conflict"})
         self.assertEqual(self.figures(), ({"A": (15, 2), "B": (0, 1)}, 0, 1))
 
+    def test_a_change_planned_on_revisions_the_resource_no_longer_has_is_stale_and_stored(self):
+        # Beyond 第七篇: a change that depends on A's revision, as If-Match does over HTTP.
+        applied = pre.change(self.c, "c-1", "A", -1, issued_at=0, now=0, expected=[1])
+        self.assertEqual(applied["revision"], 2)
+        stale = pre.change(self.c, "c-2", "A", 1, issued_at=0, now=0, expected=[1, 7])
+        self.assertEqual(stale, {"status": "stale", "observed": {"A": 2}})
+        # The receipt answers first, and the revisions are part of the command.
+        self.assertEqual(pre.change(self.c, "c-2", "A", 1, issued_at=0, now=0,
+                                    expected=[7, 1, 1]), {"status": "replayed", "result": stale})
+        self.assertEqual(pre.change(self.c, "c-2", "A", 1, issued_at=0, now=0, expected=[2]),
+                         {"status": "conflict"})
+        self.assertEqual(pre.change(self.c, "c-2", "A", 1, issued_at=0, now=0),
+                         {"status": "conflict"})
+        # Matching none, an empty list is always stale; a revision below 1 is bad input.
+        self.assertEqual(pre.change(self.c, "c-3", "A", 1, issued_at=0, now=0,
+                                    expected=[])["status"], "stale")
+        for bad in ([0], [True], ["2"], 2):
+            with self.subTest(expected=bad), self.assertRaises((TypeError, ValueError)):
+                pre.change(self.c, "c-4", "A", 1, issued_at=0, now=0, expected=bad)
+        self.assertEqual(self.figures(), ({"A": (9, 2), "B": (0, 1)}, 0, 3))
+
     def test_a_change_redone_by_a_new_process_after_the_first_ended_changes_a_once(self):
         outputs = [cli("change", self.db, "op-1", "A", 5, "--now", 0) for _ in range(2)]
         changed = {"status": "changed", "name": "A", "quantity": 15, "revision": 2}

@@ -28,7 +28,6 @@ status means, the conformance table, and a walk-through.  Standard library only.
 """
 import argparse
 import collections
-import hashlib
 import http.client
 import http.server
 import json
@@ -165,6 +164,8 @@ CHANGE = {"changed": (200, None), "stale": (412, "change-stale"),
 
 # RFC 8941 §3.3.3: an sf-string, and what it holds.
 SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+# An entity tag that names a revision: strong, the revision's decimal digits.
+STRONG_REVISION = re.compile(r'"[1-9][0-9]{0,18}"')
 # RFC 9110 §8.8.3 and §5.6.1: one element of an If-Match list, and the comma after it.
 LIST_ELEMENT = re.compile(r'[ \t]*(?:(W/)?"[\x21\x23-\x7e\x80-\xff]*")?[ \t]*(,|$)')
 
@@ -191,46 +192,16 @@ def change_if_match(c, op, name, delta, tags, *, issued_at, now):
     """preconditions.change() on a resource whose ETag must be one of ``tags``: If-Match.
 
     ``tags`` are the entity tags If-Match lists, each as sent ('"3"', 'W/"3"'); a tag matches
-    only by strong comparison, so only '"REVISION"' can.  In one BEGIN IMMEDIATE transaction,
-    in 第七篇 §2's order: the receipt first ("replayed" or "conflict"; the tags are part of the
-    command, so the same op with another If-Match is a conflict), then the present:
-    missing_resource, stale (with the observed revision), insufficient, overflow, else changed
-    (quantity + delta, revision + 1, a changes row).  Every outcome but conflict and expired is
-    the op's terminal receipt, as in change().
+    only by strong comparison, so only '"REVISION"' can, and the others name no revision.  The
+    revisions are part of the op's command (the same op with another If-Match is a conflict),
+    checked in change()'s transaction after the receipt: a stale one is a stored refusal.
     """
-    preconditions._check_text(op, "op", preconditions.MAX_OP_LENGTH)
-    preconditions._check_text(name, "name", preconditions.MAX_NAME_LENGTH)
-    preconditions._check_int(delta, "delta", -preconditions.MAX_INT64, preconditions.MAX_INT64)
     if type(tags) is not list or not tags or any(type(tag) is not str for tag in tags):
         raise TypeError("tags must be a non-empty list of entity tags as str")
-    preconditions.check_ticks(issued_at, now)
-    command = {"change": name, "delta": delta, "if_match": sorted(set(tags))}
-    digest = hashlib.sha256(preconditions._dumps(command).encode("utf-8")).hexdigest()
-    with preconditions.transaction(c):
-        answer = preconditions.history(c, op, digest) or preconditions._expired(c, op, issued_at)
-        if answer:
-            return answer
-        row = c.execute("SELECT quantity, revision FROM resources WHERE name = ?",
-                        (name,)).fetchone()
-        if row is None:
-            result = {"status": "missing_resource", "missing": [name]}
-        elif f'"{row[1]}"' not in tags:
-            result = {"status": "stale", "observed": {name: row[1]}}
-        elif row[0] + delta < 0:
-            result = {"status": "insufficient", "available": row[0]}
-        elif row[0] + delta > preconditions.MAX_INT64 or row[1] >= preconditions.MAX_INT64:
-            result = {"status": "overflow", "resource": name,
-                      "column": "revision" if row[1] >= preconditions.MAX_INT64 else "quantity"}
-        else:
-            quantity, revision = row[0] + delta, row[1] + 1
-            result = {"status": "changed", "name": name, "quantity": quantity,
-                      "revision": revision}
-            c.execute("UPDATE resources SET quantity = ?, revision = ? WHERE name = ?",
-                      (quantity, revision, name))
-            c.execute("INSERT INTO changes VALUES (?, ?, ?, ?)", (op, name, delta, revision))
-        c.execute("INSERT INTO receipt VALUES (?, ?, ?, ?)",
-                  (op, digest, preconditions._dumps(result), now))
-    return result
+    revisions = [int(tag[1:-1]) for tag in tags if STRONG_REVISION.fullmatch(tag)]
+    return preconditions.change(c, op, name, delta, issued_at=issued_at, now=now,
+                                expected=[r for r in revisions
+                                          if 1 <= r <= preconditions.MAX_INT64])
 
 
 # --- the service: one request, from its bytes to its answer -------------------------------
