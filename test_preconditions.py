@@ -940,17 +940,10 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
     @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
                          "sees where a process waits (Linux /proc)")
     def test_execute_or_the_baseline_waiting_for_go_stops_in_one_line_and_moves_nothing(self):
-        # Typed at a terminal; started in the background (SIGINT ignored) and interrupted
-        # through its process group; SIGTERM to it alone; a hang-up to its group.
-        stops = {"Ctrl-C": (None, False),
-                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
-                                                  True),
-                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
-                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
         command = json.dumps(plan())
         for argv in (("execute", self.db, "job-1", command, "--now", "0", "--wait"),
                      ("unsafe-check-then-act", self.db, "job-1", command)):
-            for label, (stop, background) in stops.items():
+            for label, (stop, background) in STOPS.items():
                 with self.subTest(argv[0], stop=label):
                     done = at_a_terminal([sys.executable, MODULE, *argv],
                                          lambda pid, screen: screen == "READY\n"
@@ -1223,6 +1216,15 @@ def run_together(commands, stdin=b"", **options):
     finally:
         run_experiment.reap(children)
 
+
+# The ways a reader stops a command, each (how, whether it starts in the background, SIGINT
+# ignored): typed at a terminal (None: Ctrl-C); an interrupt to the group of a background
+# start; SIGTERM to it alone; a hang-up to its group.
+# twin: identical in test_reliability.py
+STOPS = {"Ctrl-C": (None, False),
+         "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT), True),
+         "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
+         "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
 
 # A shell for at_a_terminal(): it leads the session with the pty as its controlling terminal,
 # starts the command as its foreground job, reports the job's pid and then its exit code on

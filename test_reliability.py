@@ -1093,16 +1093,9 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
     @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
                          "sees where a process waits (Linux /proc)")
     def test_serve_waiting_for_its_request_stops_in_one_line_on_ctrl_c_sigterm_or_sighup(self):
-        # Typed at a terminal; started in the background (SIGINT ignored) and interrupted
-        # through its process group; SIGTERM to it alone; a hang-up to its group.
-        stops = {"Ctrl-C": (None, False),
-                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
-                                                  True),
-                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
-                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
         with workspace() as ws:
             ws.close()
-            for label, (stop, background) in stops.items():
+            for label, (stop, background) in STOPS.items():
                 with self.subTest(label):
                     done = at_a_terminal([sys.executable, SCRIPT, "serve", "receive",
                                           ws.path("receiver")],
@@ -2568,6 +2561,15 @@ def run_together(commands, stdin=b"", **options):
     finally:
         run_experiment.reap(children)
 
+
+# The ways a reader stops a command, each (how, whether it starts in the background, SIGINT
+# ignored): typed at a terminal (None: Ctrl-C); an interrupt to the group of a background
+# start; SIGTERM to it alone; a hang-up to its group.
+# twin: identical in test_preconditions.py
+STOPS = {"Ctrl-C": (None, False),
+         "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT), True),
+         "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
+         "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
 
 # A shell for at_a_terminal(): it leads the session with the pty as its controlling terminal,
 # starts the command as its foreground job, reports the job's pid and then its exit code on

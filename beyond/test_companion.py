@@ -746,20 +746,14 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
 
     @unittest.skipUnless(os.path.isdir("/proc"), "a FIFO holds the driver still (Linux /proc)")
     def test_an_interrupt_at_a_terminal_or_to_a_background_start_exits_130_in_one_line(self):
-        # Typed at a terminal; started in the background (SIGINT ignored, as `cmd &` in a script
-        # starts it) and interrupted through its process group; SIGTERM to it alone; a hang-up
-        # to its group.  --check holds it in the read of a FIFO that nobody writes.
-        stops = {"Ctrl-C": (None, False),
-                 "SIGINT to a background start": (lambda pid: os.killpg(pid, signal.SIGINT),
-                                                  True),
-                 "SIGTERM": (lambda pid: os.kill(pid, signal.SIGTERM), False),
-                 "SIGHUP to its group": (lambda pid: os.killpg(pid, signal.SIGHUP), False)}
+        # Each of article1.STOPS (a background start ignores SIGINT, as `cmd &` in a script
+        # starts it); --check holds it in the read of a FIFO that nobody writes.
         with tempfile.TemporaryDirectory() as directory:
             fifo = os.path.join(directory, "results.json")
             os.mkfifo(fifo)
             driver = [sys.executable, os.path.join(ROOT, "run_experiment.py"), "--check", fifo,
                       "--only", "idempotent_lost_ack"]
-            for label, (stop, background) in stops.items():
+            for label, (stop, background) in article1.STOPS.items():
                 writer = []
 
                 def ready(pid, screen):

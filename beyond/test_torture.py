@@ -165,7 +165,7 @@ class CommandLineTest(unittest.TestCase):
                 _, err = child.communicate(timeout=WATCHDOG)
                 # Nothing of the run goes on: every process of its group ends (a zombie that
                 # init has not reaped yet has ended).
-                while group_running(child.pid):
+                while article1.group_running(child.pid):
                     self.assertLess(time.monotonic(), deadline, "a process of the run lives on")
                     time.sleep(0.005)
             finally:
@@ -202,19 +202,6 @@ class CommandLineTest(unittest.TestCase):
 
 
 # --- machinery -------------------------------------------------------------------------------
-
-def group_running(group):
-    """The pids of the processes of process group ``group`` that have not ended (Linux /proc)."""
-    running = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
-                # pid (name) state ppid pgrp ...: the name may hold spaces and parentheses.
-                fields = handle.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == group and fields[0] != "Z":
-                running.append(int(pid))
-    return running
-
 
 @contextlib.contextmanager
 def folder():
