@@ -345,29 +345,45 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
     keys on, autocommit (transaction() begins).  A missing file is never created (mode=rw).
-    Whatever SQLite refuses, and another kind of file or schema version, a second name or a
-    file this process may not write, raise before anything is written, naming the path.  A
-    -wal that is not this file's (copied in beside it) is SQLite's to apply, whatever its kind."""
+    Another kind of file or schema version raises before anything is written, and so do the few
+    things SQLite would take silently (_check_file).  Whatever SQLite refuses, here or at any
+    later statement (a -wal or -shm this process may not write, a full disk), raises once with
+    the path in front (_Connection).  A -wal that is not this file's (copied in beside it) is
+    SQLite's to apply, whatever its kind."""
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
         "#", "%23") + "?mode=rw"
     _check_file(path)
     try:
-        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT)
+        connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT,
+                                     factory=_Connection)
     except sqlite3.Error as error:
         raise type(error)(f"{path}: {error}") from None
+    connection.path = path
     try:
         _check_kind(connection, application_ids)
         if connection.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
-            raise sqlite3.DatabaseError("cannot run in WAL mode")
+            raise sqlite3.DatabaseError(f"{path}: cannot run in WAL mode")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA foreign_keys=ON")
-    except BaseException as error:
+    except BaseException:
         connection.close()
-        if isinstance(error, sqlite3.Error):
-            raise type(error)(f"{path}: {error}") from None
         raise
     return connection
+
+
+class _Connection(sqlite3.Connection):
+    """What connect() returns: a sqlite3 connection whose errors name its file, once, as SQLite
+    decides them at each statement (the file, its -wal or its -shm read-only, a full disk)."""
+
+    def execute(self, sql, parameters=()):
+        try:
+            return super().execute(sql, parameters)
+        except sqlite3.Error as error:
+            named = type(error)(f"{self.path}: {error}")
+            # sqlite_errorcode and sqlite_errorname (Python 3.11+), kept.
+            vars(named).update(vars(error))
+            raise named from None
 
 
 def _check_kind(connection, application_ids):
@@ -378,14 +394,15 @@ def _check_kind(connection, application_ids):
     if kind == 0 and version in application_ids:
         kind, version = version, 1
     if kind not in application_ids:
-        raise sqlite3.DatabaseError(f"not a database of this module (application_id {kind})")
+        raise sqlite3.DatabaseError(f"{connection.path}: not a database of this module"
+                                    f" (application_id {kind})")
     if version != SCHEMA_VERSION:
-        raise sqlite3.DatabaseError(f"schema version {version}, but this code needs"
-                                    f" {SCHEMA_VERSION}")
+        raise sqlite3.DatabaseError(f"{connection.path}: schema version {version}, but this code"
+                                    f" needs {SCHEMA_VERSION}")
 
 
 def _check_file(path):
-    """The two things SQLite would take silently, refused naming the path before it opens it."""
+    """What SQLite would take silently, refused naming the path before it opens the file."""
     try:
         found = os.stat(path)
     except OSError:
@@ -397,11 +414,20 @@ def _check_file(path):
     if found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link), and"
                       " each name would keep its own -wal", path)
-    # SQLite would open it read-only, leave a -wal and -shm its owner may not write, and fail
-    # at the first write.
+    # SQLite would open it read-only and make a -wal and -shm that its owner may not write.
     if not os.access(path, os.R_OK | os.W_OK):
         raise PermissionError(errno.EACCES, "the database is not writable by this process",
                               path)
+    # Beside the file a link names: a FIFO, device or folder there would fail every commit with
+    # a bare "disk I/O error" or "readonly database", and SQLite would delete it on closing.
+    for companion in (os.path.realpath(path) + "-wal", os.path.realpath(path) + "-shm"):
+        try:
+            mode = os.lstat(companion).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "SQLite's -wal and -shm must be regular files",
+                          companion)
 
 
 def _create(path, application_id, schema, fill=None):

@@ -37,6 +37,8 @@ import select
 import shutil
 import signal
 import sqlite3
+import stat
+import struct
 import subprocess
 import tempfile
 import threading
@@ -206,7 +208,7 @@ class CheckAndWriteShareOneTransaction(Case):
             self.assertEqual(self.x("job-1"), APPLIED)
         finally:
             self.c.set_trace_callback(None)
-        self.assertEqual(locked, ["database is locked"])
+        self.assertEqual(locked, [f"{self.db}: database is locked"])
         self.assertEqual((statements[0], statements[-1]), ("BEGIN IMMEDIATE", "COMMIT"))
         # Both rows, the effect and the receipt: one transaction.
         writes = [s for s in statements if s.startswith(("BEGIN", "COMMIT", "UPDATE", "INSERT"))]
@@ -703,6 +705,51 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         os.chmod(folder, 0o777)
         os.chmod(path, 0o666)
         self.assertEqual(run_experiment.run_forked(connect_as_nobody, path), "opened")
+
+    def test_a_wal_or_shm_it_may_not_use_is_one_error_naming_a_path_and_nothing_is_removed(self):
+        # Whatever stands where SQLite keeps the -wal or -shm, the write fails in one line that
+        # names the database or that file; nothing is stored, and nothing of the user's goes.
+        for number, (label, (suffix, kind)) in enumerate(COMPANIONS.items()):
+            with self.subTest(label):
+                path = self.make_db(name=f"{number}.db")
+                open_to_nobody(self, self.dir, path)
+                left_open(path)
+                if not spoiled(path + suffix, kind):
+                    self.skipTest(f"{label}: needs root")
+                before = file_bytes(path), kind_of(path + "-wal"), kind_of(path + suffix)
+                text = run_experiment.run_forked(write_as_nobody, path, write_the_plan)
+                self.assertEqual(len(text.splitlines()), 1, text)
+                self.assertTrue(text.startswith(("OSError: ", "OperationalError: ")), text)
+                self.assertIn(path, text)
+                self.assertEqual((file_bytes(path), kind_of(path + "-wal"),
+                                  kind_of(path + suffix)), before)
+
+    def test_a_read_only_copy_renamed_over_the_file_after_the_check_fails_its_first_write(self):
+        # Between connect()'s own check and SQLite's open: SQLite opens the copy read-only and
+        # says so at the first write, which names the path.
+        copy = os.path.join(self.dir, "copy.db")
+        shutil.copyfile(self.db, copy)
+        os.chmod(copy, 0o444)
+        open_to_nobody(self, self.dir, self.db)
+        text = run_experiment.run_forked(write_as_nobody, self.db, write_the_plan,
+                                         lambda: os.rename(copy, self.db))
+        self.assertEqual(text, f"OperationalError: {self.db}: attempt to write a readonly"
+                               " database")
+        self.assertEqual(file_bytes(self.db), file_bytes(TEMPLATE["path"]))
+
+    def test_a_symlink_to_a_hard_linked_or_read_only_database_is_refused_like_the_file(self):
+        link = os.path.join(self.dir, "link.db")
+        os.symlink(self.db, link)
+        open_to_nobody(self, self.dir, self.db)
+        os.link(self.db, self.db + ".second")
+        refused = [run_experiment.run_forked(connect_as_nobody, name) for name in (self.db, link)]
+        self.assertIn("more than one name", refused[0])
+        self.assertEqual(refused[1], refused[0].replace(self.db, link))
+        os.remove(self.db + ".second")
+        os.chmod(self.db, 0o444)
+        refused = [run_experiment.run_forked(connect_as_nobody, name) for name in (self.db, link)]
+        self.assertIn("not writable", refused[0])
+        self.assertEqual(refused[1], refused[0].replace(self.db, link))
 
     def test_paths_with_uri_special_characters_open_exactly_the_file_named(self):
         folder = os.path.join(self.dir, "odd %41 #dir?")
@@ -1383,6 +1430,105 @@ def connect_as_nobody(path):
         return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
+
+# What may stand where SQLite keeps a database's -wal or -shm: label: (suffix, kind).
+# twin: identical in test_reliability.py
+COMPANIONS = {"another user's read-only -shm": ("-shm", "read-only"),
+              "another user's read-only -wal": ("-wal", "read-only"),
+              "a -shm an ACL lets this user only read": ("-shm", "acl"),
+              "a folder at -shm": ("-shm", "folder"), "a FIFO at -wal": ("-wal", "fifo"),
+              "a FIFO at -shm": ("-shm", "fifo"), "a device at -wal": ("-wal", "device")}
+
+
+# twin: identical in test_reliability.py
+def left_open(database):
+    """-wal and -shm beside ``database``, as a process that died with it open leaves them."""
+    pid = os.fork()
+    if pid == 0:
+        connection = sqlite3.connect(database)
+        connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+# twin: identical in test_reliability.py
+def spoiled(path, kind):
+    """Turn ``path``, a -wal or -shm that left_open() left, into ``kind`` (COMPANIONS); False
+    where this user cannot make it (an ACL and a device need root)."""
+    if kind == "read-only":
+        os.chmod(path, 0o444)
+        return True
+    if os.geteuid() != 0 and kind in ("acl", "device"):
+        return False
+    if kind == "acl":
+        os.chmod(path, 0o666)
+        try:
+            os.setxattr(path, "system.posix_acl_access", posix_acl(65534, 0o4))
+        except OSError:
+            return False
+        return True
+    os.remove(path)
+    if kind == "folder":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return True
+
+
+# twin: identical in test_reliability.py
+def kind_of(path):
+    """The kind of file at ``path`` and its bytes if it is a regular one: what must not change."""
+    mode = os.lstat(path).st_mode
+    return stat.S_IFMT(mode), file_bytes(path) if stat.S_ISREG(mode) else None
+
+
+# twin: identical in test_reliability.py
+def posix_acl(uid, perms):
+    """The system.posix_acl_access value granting ``uid`` ``perms`` (rwx bits) on top of the
+    owner's rwx and nothing for group and others: version 2, then sorted entries of tag,
+    permissions and id (linux/posix_acl_xattr.h)."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 0o7, undefined), (0x02, perms, uid), (0x04, 0, undefined),
+               (0x10, perms, undefined), (0x20, 0, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def write_the_plan(connection):
+    """What write_as_nobody() writes here: the article's plan."""
+    pre.execute(connection, "job-1", plan(), issued_at=0, now=0)
+
+
+# twin: identical in test_reliability.py
+def write_as_nobody(path, write, before_open=None):
+    """In a forked child: write(UNDER_TEST.connect(path)) as a user that is not root (uid and gid
+    65534 if we are), ``before_open`` run just after connect()'s own checks; the text of what
+    it raised, or "written".  A child that hangs (a FIFO opened as its -wal) dies at the
+    watchdog, and run_forked() says so."""
+    signal.alarm(int(WATCHDOG))
+    _become_nobody()
+    if before_open is not None:
+        checked = UNDER_TEST._check_file
+        UNDER_TEST._check_file = lambda name: checked(name) or before_open()
+    try:
+        with contextlib.closing(UNDER_TEST.connect(path)) as connection:
+            write(connection)
+        return "written"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+# twin: identical in test_reliability.py
+def open_to_nobody(test, folder, *files):
+    """Let uid 65534 write ``files`` and make files in ``folder``, or skip ``test`` where that
+    user cannot reach the folder (a private TMPDIR)."""
+    os.chmod(folder, 0o777)
+    for path in files:
+        os.chmod(path, 0o666)
+    if not run_experiment.run_forked(lambda: _become_nobody() or os.access(folder, os.W_OK)):
+        test.skipTest(f"another user cannot reach {folder}: TMPDIR is private")
+
 
 
 def thread_race(db, entry, ops, threads=8):

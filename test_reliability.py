@@ -53,6 +53,7 @@ import select
 import shutil
 import signal
 import sqlite3
+import stat
 import struct
 import subprocess
 import tempfile
@@ -2162,6 +2163,53 @@ class UnreadableOrReadOnlyFilesAreRefused(unittest.TestCase):
                             refused)
             self.assertIn(os.path.join(owned, RECEIVER), refused)
 
+    def test_a_wal_or_shm_it_may_not_use_is_one_error_naming_a_path_and_nothing_is_removed(self):
+        # Whatever stands where SQLite keeps the -wal or -shm, the write fails in one line that
+        # names the database or that file; nothing is stored, and nothing of the user's goes.
+        for label, (suffix, kind) in COMPANIONS.items():
+            with self.subTest(label), workspace() as ws:
+                path = ws.path("receiver")
+                open_to_nobody(self, ws.root, path)
+                left_open(path)
+                if not spoiled(path + suffix, kind):
+                    self.skipTest(f"{label}: needs root")
+                before = file_bytes(path), kind_of(path + "-wal"), kind_of(path + suffix)
+                text = run_experiment.run_forked(write_as_nobody, path, write_a_ticket)
+                self.assertEqual(len(text.splitlines()), 1, text)
+                self.assertTrue(text.startswith(("OSError: ", "OperationalError: ")), text)
+                self.assertIn(path, text)
+                self.assertEqual((file_bytes(path), kind_of(path + "-wal"),
+                                  kind_of(path + suffix)), before)
+
+    def test_a_read_only_copy_renamed_over_the_file_after_the_check_fails_its_first_write(self):
+        # Between connect()'s own check and SQLite's open: SQLite opens the copy read-only and
+        # says so at the first write, which names the path.
+        with workspace() as ws:
+            path, copy = ws.path("receiver"), ws.path("copy")
+            shutil.copyfile(path, copy)
+            os.chmod(copy, 0o444)
+            open_to_nobody(self, ws.root, path)
+            text = run_experiment.run_forked(write_as_nobody, path, write_a_ticket,
+                                             lambda: os.rename(copy, path))
+            self.assertEqual(text, f"OperationalError: {path}: attempt to write a readonly"
+                                   " database")
+            self.assertEqual(file_bytes(path), file_bytes(os.path.join(TEMPLATE["dir"].name, RECEIVER)))
+
+    def test_a_symlink_to_a_hard_linked_or_read_only_database_is_refused_like_the_file(self):
+        with workspace() as ws:
+            path, link = ws.path("receiver"), ws.path("link.db")
+            os.symlink(path, link)
+            open_to_nobody(self, ws.root, path)
+            os.link(path, path + ".second")
+            refused = [run_experiment.run_forked(connect_as_nobody, name) for name in (path, link)]
+            self.assertIn("more than one name", refused[0])
+            self.assertEqual(refused[1], refused[0].replace(path, link))
+            os.remove(path + ".second")
+            os.chmod(path, 0o444)
+            refused = [run_experiment.run_forked(connect_as_nobody, name) for name in (path, link)]
+            self.assertIn("not writable", refused[0])
+            self.assertEqual(refused[1], refused[0].replace(path, link))
+
 
 class FailedSystemCallsAreUnknownOrOneLine(unittest.TestCase):
     """Beyond 第一篇: a COMMIT whose fsync fails is an unknown outcome; an unopenable WAL is one
@@ -2856,16 +2904,6 @@ def alive_as_nobody(pid):
     return reliability._alive(pid)
 
 
-def posix_acl(uid, perms):
-    """The system.posix_acl_access value granting ``uid`` ``perms`` (rwx bits) on top of the
-    owner's rwx and nothing for group and others: version 2, then sorted entries of tag,
-    permissions and id (linux/posix_acl_xattr.h)."""
-    undefined = 0xFFFFFFFF
-    entries = [(0x01, 0o7, undefined), (0x02, perms, uid), (0x04, 0, undefined),
-               (0x10, perms, undefined), (0x20, 0, undefined)]
-    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
-
-
 # twin: identical in test_preconditions.py
 def connect_as_nobody(path):
     """In a forked child: the text of what UNDER_TEST.connect(path) raises for a user that is
@@ -2876,6 +2914,105 @@ def connect_as_nobody(path):
         return "opened"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
+
+# What may stand where SQLite keeps a database's -wal or -shm: label: (suffix, kind).
+# twin: identical in test_preconditions.py
+COMPANIONS = {"another user's read-only -shm": ("-shm", "read-only"),
+              "another user's read-only -wal": ("-wal", "read-only"),
+              "a -shm an ACL lets this user only read": ("-shm", "acl"),
+              "a folder at -shm": ("-shm", "folder"), "a FIFO at -wal": ("-wal", "fifo"),
+              "a FIFO at -shm": ("-shm", "fifo"), "a device at -wal": ("-wal", "device")}
+
+
+# twin: identical in test_preconditions.py
+def left_open(database):
+    """-wal and -shm beside ``database``, as a process that died with it open leaves them."""
+    pid = os.fork()
+    if pid == 0:
+        connection = sqlite3.connect(database)
+        connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+# twin: identical in test_preconditions.py
+def spoiled(path, kind):
+    """Turn ``path``, a -wal or -shm that left_open() left, into ``kind`` (COMPANIONS); False
+    where this user cannot make it (an ACL and a device need root)."""
+    if kind == "read-only":
+        os.chmod(path, 0o444)
+        return True
+    if os.geteuid() != 0 and kind in ("acl", "device"):
+        return False
+    if kind == "acl":
+        os.chmod(path, 0o666)
+        try:
+            os.setxattr(path, "system.posix_acl_access", posix_acl(65534, 0o4))
+        except OSError:
+            return False
+        return True
+    os.remove(path)
+    if kind == "folder":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return True
+
+
+# twin: identical in test_preconditions.py
+def kind_of(path):
+    """The kind of file at ``path`` and its bytes if it is a regular one: what must not change."""
+    mode = os.lstat(path).st_mode
+    return stat.S_IFMT(mode), file_bytes(path) if stat.S_ISREG(mode) else None
+
+
+# twin: identical in test_preconditions.py
+def posix_acl(uid, perms):
+    """The system.posix_acl_access value granting ``uid`` ``perms`` (rwx bits) on top of the
+    owner's rwx and nothing for group and others: version 2, then sorted entries of tag,
+    permissions and id (linux/posix_acl_xattr.h)."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 0o7, undefined), (0x02, perms, uid), (0x04, 0, undefined),
+               (0x10, perms, undefined), (0x20, 0, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def write_a_ticket(connection):
+    """What write_as_nobody() writes here: a ticket."""
+    reliability.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=0)
+
+
+# twin: identical in test_preconditions.py
+def write_as_nobody(path, write, before_open=None):
+    """In a forked child: write(UNDER_TEST.connect(path)) as a user that is not root (uid and gid
+    65534 if we are), ``before_open`` run just after connect()'s own checks; the text of what
+    it raised, or "written".  A child that hangs (a FIFO opened as its -wal) dies at the
+    watchdog, and run_forked() says so."""
+    signal.alarm(int(WATCHDOG))
+    _become_nobody()
+    if before_open is not None:
+        checked = UNDER_TEST._check_file
+        UNDER_TEST._check_file = lambda name: checked(name) or before_open()
+    try:
+        with contextlib.closing(UNDER_TEST.connect(path)) as connection:
+            write(connection)
+        return "written"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+# twin: identical in test_preconditions.py
+def open_to_nobody(test, folder, *files):
+    """Let uid 65534 write ``files`` and make files in ``folder``, or skip ``test`` where that
+    user cannot reach the folder (a private TMPDIR)."""
+    os.chmod(folder, 0o777)
+    for path in files:
+        os.chmod(path, 0o666)
+    if not run_experiment.run_forked(lambda: _become_nobody() or os.access(folder, os.W_OK)):
+        test.skipTest(f"another user cannot reach {folder}: TMPDIR is private")
+
 
 
 @functools.lru_cache(maxsize=None)

@@ -66,12 +66,12 @@ class TheKitsRunAlone(unittest.TestCase):
             "MAX_ATTEMPTS", "MAX_IDENTITY_LENGTH", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH",
             "MAX_TICK", "_dumps"})
         self.assertEqual(closure(RELIABILITY, ["connect", "init"]), {
-            "connect", "_open", "_check_kind", "_check_file", "init", "_create", "transaction",
-            "KINDS", "SENDER", "RECEIVER", "EXTERNAL", "SCHEMAS", "SCHEMA_VERSION",
+            "connect", "_open", "_Connection", "_check_kind", "_check_file", "init", "_create",
+            "transaction", "KINDS", "SENDER", "RECEIVER", "EXTERNAL", "SCHEMAS", "SCHEMA_VERSION",
             "BUSY_TIMEOUT"})
 
     def test_the_receive_kit_runs_the_articles_replay_alone(self):
-        self.assert_runs_alone(["receive"], """
+        self.assert_runs_alone("`reliability.receive`", """
 connection.close()
 connection = kit.connect(os.path.join("data", "receiver.db"))
 first = kit.receive(connection, "agent", "k1", PAYLOAD, issued_at=0, now=0)
@@ -88,7 +88,7 @@ connection.close()
 """)
 
     def test_the_outbox_kit_runs_the_articles_lease_and_stale_acknowledgement_alone(self):
-        self.assert_runs_alone(["enqueue", "claim", "acknowledge"], """
+        self.assert_runs_alone("`reliability.enqueue` + `claim` + `acknowledge`", """
 assert kit.enqueue(connection, "agent", "k1", PAYLOAD, now=0) == "accepted"
 assert kit.claim(connection, 0)["attempt"] == 1
 # The lease runs to tick 10.
@@ -102,10 +102,11 @@ assert connection.execute("SELECT state, attempts FROM outbox").fetchall() == [(
 connection.close()
 """)
 
-    def assert_runs_alone(self, roots, check):
-        """The kit of ``roots`` with the connection kit (connect, init) in a module of its own,
-        run in fresh interpreters as a copier would: README.md's python block as printed, in
-        the script's own folder, then ``check``."""
+    def assert_runs_alone(self, use, check):
+        """The kit README.md's row ``use`` lists, with the connection kit (connect, init),
+        pasted in the README's order into a module of its own and run in fresh interpreters as
+        a copier would: README.md's python block as printed, in the script's own folder, then
+        ``check``."""
         recipe = readme_blocks("python")
         self.assertEqual(len(recipe), 1, "README.md has one python block: how a kit opens its"
                                          " connection")
@@ -116,7 +117,7 @@ connection.close()
             "assert kit.Conflict.__module__ == 'kit'",
             "assert not os.path.exists(os.path.join(folder, 'reliability.py'))",
             "print('ok', sys.version_info >= (3, 12))"])
-        kit = closure(RELIABILITY, roots + ["connect", "init"])
+        kit = readme_kit(use, "`reliability.connect` + `init`")
         for python, (code, out, err) in run_kit(RELIABILITY, kit, recipe[0], check):
             with self.subTest(python=python):
                 self.assertEqual((code, err.decode("utf-8")), (0, ""))
@@ -267,10 +268,8 @@ class TheExecuteKitRunsAlone(unittest.TestCase):
         # As a copier would: the kit and the connection kit in a fresh module, the database
         # made by its init() and opened by its connect() as README.md's python block says, in
         # a fresh interpreter (and in Python 3.12+ too, where one is found).
-        found = article7.definitions(PRECONDITIONS)
-        # In source order.
-        kit = [name for name in found if name in KIT + FILES_KIT]
-        self.assertEqual(sorted(kit), sorted(set(KIT + FILES_KIT)))
+        kit = readme_kit("`preconditions.execute` + `change`", "`preconditions.connect` + `init`")
+        self.assertEqual(set(kit), set(KIT + FILES_KIT) | {"change"})
         [recipe] = readme_blocks("python")
         self.assertIn('kit.init("q.db", {"A": 10, "B": 0})', recipe)
         self.assertIn('kit.connect("q.db")', recipe)
@@ -962,7 +961,7 @@ KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int"
        "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
        "MAX_AMOUNT", "MAX_INT64", "MAX_TICK", "_dumps"]
 # connect() and init(): what every kit's connection needs.
-FILES_KIT = ["connect", "_open", "_check_kind", "_check_file", "init", "_create", "snapshot",
+FILES_KIT = ["connect", "_open", "_Connection", "_check_kind", "_check_file", "init", "_create", "snapshot",
              "transaction", "_check_text", "_check_int", "APPLICATION_ID", "SCHEMA",
              "SCHEMA_VERSION", "BUSY_TIMEOUT", "MAX_NAME_LENGTH", "MAX_INT64"]
 KIT_IMPORTS = ("import errno\nimport hashlib\nimport json\nimport os\nimport sqlite3\n"
@@ -1037,15 +1036,25 @@ def closure(path, roots):
     return found
 
 
+def readme_kit(*uses):
+    """What README.md's kit table tells a copier to paste for the rows ``uses`` (their first
+    cells), in the table's order: each row's functions, then the names it lists."""
+    names = []
+    for use, listed in readme_table("| 要用的"):
+        if use in uses:
+            names += re.findall(r"`(?:\w+\.)?([^`]+)`", use) + re.findall(r"`([^`]+)`", listed)
+    return names
+
+
 def run_kit(path, names, recipe, check):
     """The definitions ``names`` of the module at ``path`` written to kit.py in a fresh folder,
-    in source order after KIT_IMPORTS; then ``recipe`` (README.md's python block) and ``check``
-    run in a fresh interpreter, this one and a 3.12+ where found, each in a ``folder`` of its
-    own, which is its working directory.  [(interpreter, (exit code, stdout, stderr))]."""
+    in that order after KIT_IMPORTS, each once; then ``recipe`` (README.md's python block) and
+    ``check`` run in a fresh interpreter, this one and a 3.12+ where found, each in a
+    ``folder`` of its own, which is its working directory.
+    [(interpreter, (exit code, stdout, stderr))]."""
     defined = article7.definitions(path)
     # Each definition once: SENDER, RECEIVER, EXTERNAL = ... binds three names.
-    kit = sorted({id(defined[name][0]): defined[name] for name in names}.values(),
-                 key=lambda definition: definition[0].lineno)
+    kit = list({id(defined[name][0]): defined[name] for name in names}.values())
     interpreters = [sys.executable] + [newer for newer in [newer_python()] if newer]
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "kit.py"), "w", encoding="utf-8") as handle:
