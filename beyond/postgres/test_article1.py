@@ -803,6 +803,161 @@ class LoadTest(harness.TestCase):
                     query(s, f"REVOKE CREATE ON SCHEMA {name} FROM {grantee}")
                 self.assertEqual(harness.load(path, self.database), (0, ""))
 
+    def test_a_trigger_privilege_of_another_role_or_public_refuses_the_load_naming_both(self):
+        # GRANT ALL ON ALL TABLES includes TRIGGER: a role holding it can make a trigger that
+        # runs its code with the rights of whoever writes the table.  Each file refuses, naming
+        # the roles and the tables, and changes nothing; revoked, it loads.
+        s = self.session
+        role = intruder(s, self.database)
+        for name, path in harness.ARTICLES.items():
+            with self.subTest(name):
+                tables = ", ".join(f"{name}.{table}" for table in sorted(TABLES[name]))
+                query(s, f"GRANT ALL ON ALL TABLES IN SCHEMA {name} TO {role};"
+                         f" GRANT TRIGGER ON {name}.retention TO PUBLIC")
+                before = fingerprint(s, name)
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                self.assertIn(f"{name}'s tables let other roles create triggers on them: PUBLIC"
+                              f" on {name}.retention; {role} on {tables}", errors)
+                self.assertEqual(fingerprint(s, name), before, "the refused load changed it")
+                query(s, f"REVOKE TRIGGER ON ALL TABLES IN SCHEMA {name} FROM {role}")
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                self.assertIn(f"create triggers on them: PUBLIC on {name}.retention\n", errors)
+                query(s, f"REVOKE TRIGGER ON {name}.retention FROM PUBLIC")
+                self.assertEqual(harness.load(path, self.database), (0, ""))
+
+    def test_default_privileges_giving_a_trigger_privilege_refuse_the_first_load_whole(self):
+        # ALTER DEFAULT PRIVILEGES ... GRANT ALL ON TABLES gives each table the load makes the
+        # TRIGGER privilege too.  The first load refuses once its tables exist, and its one
+        # transaction leaves nothing: no schema, so no table for anyone's trigger.
+        s = self.session
+        role = intruder(s, self.database)
+        query(s, f"ALTER DEFAULT PRIVILEGES FOR ROLE {harness.SUPERUSER} GRANT ALL ON TABLES TO"
+                 f" {role}")
+        for name, path in harness.ARTICLES.items():
+            with self.subTest(name):
+                query(s, f"DROP SCHEMA {name} CASCADE")
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                tables = ", ".join(f"{name}.{table}" for table in sorted(TABLES[name]))
+                self.assertIn(f"{name}'s tables let other roles create triggers on them: {role}"
+                              f" on {tables}\n", errors)
+                self.assertEqual(query(s, "SELECT count(*) FROM pg_namespace WHERE nspname ="
+                                          f" {literal(name)}"), [["0"]])
+        query(s, f"ALTER DEFAULT PRIVILEGES FOR ROLE {harness.SUPERUSER} REVOKE TRIGGER ON"
+                 f" TABLES FROM {role}")
+        for path in harness.ARTICLES.values():
+            self.assertEqual(harness.load(path, self.database), (0, ""), path)
+
+    def test_another_roles_trigger_refuses_the_load_before_it_writes_a_row_and_runs_nothing(self):
+        # The owner grants ALL on its tables; the other role makes BEFORE INSERT triggers that
+        # log who runs them, on the edition table (whose row each load inserts, ON CONFLICT DO
+        # NOTHING) and on the table a call writes first.  The load refuses before it writes
+        # a row, naming the trigger, the table, the function and its owner: the log stays
+        # empty.  Revoking the privilege is not enough: the trigger stays, and so does the
+        # refusal, until the trigger goes.
+        s = self.session
+        role = intruder(s, self.database)
+        logged_by(s, role)
+        calls = {"article1": call("article1.enqueue", CALLER, "k", {"t": 1}, 0),
+                 "article7": call("article7.execute", "op", {"src": "A", "dst": "B", "amount": 1,
+                                                             "expected": {"A": 1, "B": 1}}, 0, 0)}
+        for (name, path), written in zip(harness.ARTICLES.items(), ("outbox", "receipt")):
+            with self.subTest(name):
+                query(s, f"GRANT USAGE ON SCHEMA {name} TO {role};"
+                         f" GRANT ALL ON ALL TABLES IN SCHEMA {name} TO {role}; SET ROLE {role};"
+                         f" CREATE TRIGGER logged BEFORE INSERT ON {name}.edition FOR EACH ROW"
+                         " EXECUTE FUNCTION evil.logged();"
+                         f" CREATE TRIGGER logged BEFORE INSERT ON {name}.{written} FOR EACH ROW"
+                         " EXECUTE FUNCTION evil.logged();"
+                         # The trigger is live: the load's own statement runs it.
+                         f" INSERT INTO {name}.edition VALUES (1, 0) ON CONFLICT DO NOTHING;"
+                         " RESET ROLE")
+                self.assertEqual(query(s, "SELECT who, what FROM evil.log"),
+                                 [[role, f"{name}.edition"]])
+                query(s, "TRUNCATE evil.log")
+                runs = value(s, RUNS)
+                foreign = (f"{name}'s tables have triggers that run another role's code: trigger"
+                           f" logged on {name}.edition runs evil.logged() of {role}, trigger"
+                           f" logged on {name}.{written} runs evil.logged() of {role}\n")
+                for revoked in (False, True):
+                    if revoked:
+                        query(s, f"REVOKE ALL ON ALL TABLES IN SCHEMA {name} FROM {role}")
+                    before = fingerprint(s, name)
+                    code, errors = harness.load(path, self.database)
+                    self.assertEqual((code, errors.count(foreign)), (3, 1), errors)
+                    self.assertEqual((query(s, "SELECT who, what FROM evil.log"),
+                                      value(s, RUNS)), ([], runs),
+                                     "a refused load ran the trigger")
+                    self.assertEqual(fingerprint(s, name), before, "the refused load changed it")
+                # What the refusal warns of: the functions loaded before still run it, with
+                # the caller's rights, until the owner drops it.
+                self.assertEqual(value(s, calls[name])["status"], "accepted" if name ==
+                                 "article1" else "missing_resource")
+                self.assertEqual(query(s, "SELECT who, what FROM evil.log"),
+                                 [[harness.SUPERUSER, f"{name}.{written}"]])
+                query(s, f"DROP TRIGGER logged ON {name}.edition;"
+                         f" DROP TRIGGER logged ON {name}.{written}; TRUNCATE evil.log")
+                self.assertEqual(harness.load(path, self.database), (0, ""))
+
+    def test_a_trigger_of_ours_calling_another_roles_function_refuses_the_load(self):
+        # No privilege of the other role's is needed: the owner's own trigger runs the other
+        # role's function, or tests one in its WHEN condition (directly or as an operator); that
+        # role may replace it at any time.
+        s = self.session
+        role = intruder(s, self.database)
+        logged_by(s, role)
+        query(s, f"SET ROLE {role}; CREATE FUNCTION evil.ok(text) RETURNS boolean LANGUAGE sql"
+                 " AS 'SELECT true'; CREATE OPERATOR evil.=== (LEFTARG = text, RIGHTARG = text,"
+                 " FUNCTION = evil.same); RESET ROLE;"
+                 " CREATE FUNCTION public.ours() RETURNS trigger LANGUAGE plpgsql AS"
+                 " $$ BEGIN RETURN NEW; END $$")
+        triggers = [("EXECUTE FUNCTION evil.logged()", "evil.logged()"),
+                    ("WHEN (evil.ok(NEW.low_water::text)) EXECUTE FUNCTION public.ours()",
+                     "evil.ok(text)"),
+                    ("WHEN (NEW.low_water::text OPERATOR(evil.===) '0') EXECUTE FUNCTION"
+                     " public.ours()", "evil.same(text,text)")]
+        for name, path in harness.ARTICLES.items():
+            for clause, function in triggers:
+                with self.subTest(name=name, trigger=clause):
+                    query(s, f"CREATE TRIGGER t BEFORE UPDATE ON {name}.retention FOR EACH ROW"
+                             f" {clause}")
+                    code, errors = harness.load(path, self.database)
+                    self.assertEqual(code, 3)
+                    self.assertIn(f"{name}'s tables have triggers that run another role's code:"
+                                  f" trigger t on {name}.retention runs {function} of {role}",
+                                  errors)
+                    query(s, f"DROP TRIGGER t ON {name}.retention")
+            # Ours alone, testing only pg_catalog's operators: loads.
+            query(s, f"CREATE TRIGGER t BEFORE UPDATE ON {name}.retention FOR EACH ROW"
+                     " WHEN (NEW.low_water <> OLD.low_water) EXECUTE FUNCTION public.ours()")
+            self.assertEqual(harness.load(path, self.database), (0, ""), name)
+
+    def test_a_loading_role_that_is_no_superuser_loads_and_pg_catalogs_triggers_stay_allowed(self):
+        # A role that is no superuser, and not the bootstrap superuser that owns pg_catalog:
+        # both files load as it, again beside its trigger running pg_catalog's
+        # suppress_redundant_updates_trigger(), and the file refuses another role's only.
+        s = self.session
+        query(s, "DO $$ BEGIN CREATE ROLE owner LOGIN; EXCEPTION WHEN duplicate_object THEN"
+                 f" NULL; END $$; GRANT CREATE ON DATABASE {self.database} TO owner;"
+                 " DROP SCHEMA article1 CASCADE; DROP SCHEMA article7 CASCADE")
+        for name, path in harness.ARTICLES.items():
+            with self.subTest(name):
+                self.assertEqual(harness.load(path, self.database, "owner"), (0, ""))
+                query(s, f"SET ROLE owner; CREATE TRIGGER same BEFORE UPDATE ON {name}.retention"
+                         " FOR EACH ROW WHEN (NEW.low_water = OLD.low_water) EXECUTE FUNCTION"
+                         " pg_catalog.suppress_redundant_updates_trigger(); RESET ROLE")
+                self.assertEqual(harness.load(path, self.database, "owner"), (0, ""))
+                code, errors = harness.load(path, self.database)
+                self.assertEqual(code, 3)
+                self.assertIn(f"schema {name} belongs to owner, not to {harness.SUPERUSER}",
+                              errors)
+        self.assertEqual(value(s, "SELECT pg_get_userbyid(proowner) FROM pg_proc WHERE oid ="
+                                  " 'pg_catalog.suppress_redundant_updates_trigger'::regproc"),
+                         harness.SUPERUSER)
+        self.assertEqual(value(s, receive("k", {"t": 1}, 0, 0))["status"], "ticket")
+
     def test_a_hostile_search_path_runs_none_of_its_code_while_both_files_load(self):
         # Another role's schema first on the loading session's path (set for the database, as
         # its owner may), with its own current_setting() and its = and <> for text and
@@ -906,6 +1061,45 @@ def intruder(session, database):
     query(session, "DO $$ BEGIN CREATE ROLE intruder LOGIN; EXCEPTION WHEN duplicate_object"
                    f" THEN NULL; END $$; GRANT CREATE ON DATABASE {database} TO intruder")
     return "intruder"
+
+
+# How often evil.logged() ran, rolled back or not.
+RUNS = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM evil.runs"
+# The tables each file makes.
+TABLES = {"article1": ("edition", "outbox", "receipts", "requests", "resolutions", "retention",
+                       "tickets"),
+          "article7": ("changes", "edition", "effects", "receipt", "resources", "retention")}
+
+
+def logged_by(session, role):
+    """Schema evil of ``role``: a trigger function evil.logged() that logs who runs it on which
+    table into evil.log and counts its runs in the sequence evil.runs (anyone may: a sequence
+    counts even in a transaction that rolls back), and evil.same(text, text)."""
+    query(session, f"SET ROLE {role}; CREATE SCHEMA evil;"
+                   " CREATE TABLE evil.log (who text, what text); CREATE SEQUENCE evil.runs;"
+                   " GRANT USAGE ON SCHEMA evil TO PUBLIC; GRANT INSERT ON evil.log TO PUBLIC;"
+                   " GRANT USAGE ON SEQUENCE evil.runs TO PUBLIC;"
+                   " CREATE FUNCTION evil.logged() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                   " PERFORM nextval('evil.runs'); INSERT INTO evil.log VALUES (current_user,"
+                   " TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME); RETURN NEW; END $$;"
+                   " CREATE FUNCTION evil.same(text, text) RETURNS boolean LANGUAGE sql AS"
+                   " 'SELECT $1 = $2'; RESET ROLE")
+
+
+def fingerprint(session, schema):
+    """The transaction ids that last wrote the schema, its relations, functions and triggers,
+    and its tables' rows: a load that committed anything changes one of them."""
+    return query(session, "SELECT kind, array_agg(x ORDER BY x) FROM (SELECT 'schema' AS kind,"
+                          f" xmin::text AS x FROM pg_namespace WHERE nspname = {literal(schema)}"
+                          " UNION ALL SELECT 'relation', oid || ':' || xmin::text FROM pg_class"
+                          f" WHERE relnamespace = {literal(schema)}::regnamespace UNION ALL"
+                          " SELECT 'function', oid || ':' || xmin::text FROM pg_proc WHERE"
+                          f" pronamespace = {literal(schema)}::regnamespace UNION ALL SELECT"
+                          " 'trigger', t.oid || ':' || t.xmin::text FROM pg_trigger t JOIN"
+                          " pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace ="
+                          f" {literal(schema)}::regnamespace UNION ALL SELECT 'row',"
+                          f" xmin::text FROM {schema}.edition UNION ALL SELECT 'row', xmin::text"
+                          f" FROM {schema}.retention) f GROUP BY kind ORDER BY kind")
 
 
 def objects(session, schema):
