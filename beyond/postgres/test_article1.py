@@ -934,7 +934,9 @@ class CanonicalTest(harness.TestCase):
 # === loading: twice, beside article 7, whatever the caller's search_path =======================
 
 class LoadTest(harness.TestCase):
-    """psql -f loads article1.sql twice, beside article7.sql; no caller's path changes a read."""
+    """psql -f loads article1.sql twice, beside article7.sql, and upgrades editions 1 and 2; no
+    caller's path changes a read; another role's schema, objects, CREATE or TRIGGER privilege,
+    or code run by a trigger on our tables, refuses each file's load."""
 
     def test_loading_twice_keeps_every_row_and_both_articles_share_one_database(self):
         query(self.session, receive("k", {"t": 1}, 0, 0))
