@@ -35,7 +35,12 @@ CREATE SCHEMA IF NOT EXISTS article1;
 -- A schema of this name that another role made first would be theirs, and so would every
 -- function loaded into it: they could replace one, and the loading role's next call would
 -- run their code with its rights.  So the schema must be the loading role's, with nothing in
--- it of another role's, and no other role may create in it.
+-- it of another role's, and no other role may create in it.  A trigger runs its function with
+-- the rights of whoever writes the table: this load's own writes below, and every later call.
+-- So no trigger on our tables may run, or test in its WHEN condition, a function another role
+-- owns (that role could replace it), checked here before this file writes a row; pg_catalog's
+-- are exempt: only a superuser changes them, who can change ours too.  Who may make such a
+-- trigger is checked once every table exists, below.
 DO $$
 DECLARE
     v_owner oid;
@@ -67,20 +72,49 @@ BEGIN
     IF v_others IS NOT NULL THEN
         RAISE EXCEPTION 'schema article1 lets % create in it', v_others;
     END IF;
+    SELECT pg_catalog.string_agg(pg_catalog.format('trigger %s on %s runs %s of %s', t.tgname,
+                                                   t.tgrelid::pg_catalog.regclass,
+                                                   p.oid::pg_catalog.regprocedure,
+                                                   pg_catalog.pg_get_userbyid(p.proowner)),
+                                 ', ' ORDER BY c.relname, t.tgname, p.oid)
+      INTO v_others
+      FROM pg_catalog.pg_trigger t
+      JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid,
+           -- The trigger's function, and what its WHEN condition calls: functions, and the
+           -- functions behind its operators (pg_depend records both).
+           LATERAL (SELECT t.tgfoid
+                     UNION SELECT d.refobjid FROM pg_catalog.pg_depend d
+                      WHERE d.classid = 'pg_catalog.pg_trigger'::pg_catalog.regclass
+                        AND d.objid = t.oid
+                        AND d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                     UNION SELECT o.oprcode::pg_catalog.oid FROM pg_catalog.pg_depend d
+                      JOIN pg_catalog.pg_operator o ON o.oid = d.refobjid
+                      WHERE d.classid = 'pg_catalog.pg_trigger'::pg_catalog.regclass
+                        AND d.objid = t.oid
+                        AND d.refclassid = 'pg_catalog.pg_operator'::pg_catalog.regclass) f(oid)
+      JOIN pg_catalog.pg_proc p ON p.oid = f.oid
+     WHERE c.relnamespace = 'article1'::pg_catalog.regnamespace AND NOT t.tgisinternal
+       AND p.proowner <> v_owner
+       AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'article1''s tables have triggers that run another role''s code: %',
+            v_others USING HINT = 'Drop those triggers, or load this file as that role.';
+    END IF;
 END $$;
 
 -- Tables are created only when missing, so a second load keeps the rows.  An edition whose
--- tables differ says here how to upgrade from the one before; this file is edition 2, and
--- refuses a schema of any edition but 1 and 2.  From 1: outbox.owner_host (below), and claim()
--- and reconcile() take the claimer's machine.
+-- tables differ says here how to upgrade from the one before; this file is edition 3, and
+-- refuses a schema of any edition but 1, 2 and 3.  From 1: outbox.owner_host, and claim() and
+-- reconcile() take the claimer's machine.  From 2: outbox.owner_started, and they take the
+-- claimer's start time too; the table late_results (below).
 CREATE TABLE IF NOT EXISTS article1.edition (
     id integer PRIMARY KEY CHECK (id = 1),
     version integer NOT NULL);
-INSERT INTO article1.edition VALUES (1, 2) ON CONFLICT DO NOTHING;
+INSERT INTO article1.edition VALUES (1, 3) ON CONFLICT DO NOTHING;
 DO $$
 BEGIN
-    IF (SELECT version FROM article1.edition) NOT IN (1, 2) THEN
-        RAISE EXCEPTION 'article1 holds edition %, this file is edition 2',
+    IF (SELECT version FROM article1.edition) NOT IN (1, 2, 3) THEN
+        RAISE EXCEPTION 'article1 holds edition %, this file is edition 3',
             (SELECT version FROM article1.edition);
     END IF;
 END $$;
@@ -99,7 +133,8 @@ CREATE TABLE IF NOT EXISTS article1.requests (
     -- The outbox copies mode: this key lets it point at the intent's own mode.
     UNIQUE (caller, key, mode));
 -- outbox: the row a worker claims (§5), in id order.  owner_pid is the claimer's process on
--- the machine owner_host names: only that machine can tell reconcile() whether it is gone.
+-- the machine owner_host names, started at owner_started (in clock ticks since that machine
+-- booted): only that machine can tell reconcile() whether that very process is gone.
 CREATE TABLE IF NOT EXISTS article1.outbox (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     caller text NOT NULL,
@@ -112,12 +147,31 @@ CREATE TABLE IF NOT EXISTS article1.outbox (
     response jsonb,
     owner_pid integer,
     owner_host text,
+    owner_started bigint,
     UNIQUE (caller, key),
     FOREIGN KEY (caller, key, mode) REFERENCES article1.requests (caller, key, mode));
 CREATE INDEX IF NOT EXISTS outbox_due ON article1.outbox (state, lease_until);
--- Edition 1 to 2: a row claimed under edition 1 keeps owner_host NULL.
+-- Editions 1 and 2 to 3: a row claimed under edition 1 keeps owner_host NULL, one claimed
+-- under 1 or 2 keeps owner_started NULL.
 ALTER TABLE article1.outbox ADD COLUMN IF NOT EXISTS owner_host text;
-UPDATE article1.edition SET version = 2 WHERE version = 1;
+ALTER TABLE article1.outbox ADD COLUMN IF NOT EXISTS owner_started bigint;
+-- late_results (beyond 第一篇): an acknowledgement refused because the row is no longer in
+-- flight under its attempt (a later attempt took it, or it was settled) still shows that the
+-- attempt reached the tool.  acknowledge() records it here, once per response, and never
+-- applies it; reconcile() shows it, and takes no absence as proven beside it.
+CREATE TABLE IF NOT EXISTS article1.late_results (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    caller text NOT NULL,
+    key text NOT NULL,
+    attempt integer NOT NULL CHECK (attempt >= 1),
+    response jsonb NOT NULL,
+    -- The SHA-256 of the response's canonical text: the same late result again adds no row.
+    response_digest text NOT NULL,
+    -- When it arrived, by the server's clock: acknowledge() takes no tick.
+    arrived_at timestamptz NOT NULL,
+    UNIQUE (caller, key, attempt, response_digest),
+    FOREIGN KEY (caller, key) REFERENCES article1.requests (caller, key));
+UPDATE article1.edition SET version = 3 WHERE version IN (1, 2);
 -- resolutions: a person's decisions on unknown or blocked rows, an audit trail.
 CREATE TABLE IF NOT EXISTS article1.resolutions (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -166,6 +220,32 @@ CREATE TABLE IF NOT EXISTS article1.retention (
     id integer PRIMARY KEY CHECK (id = 1),
     low_water bigint NOT NULL CHECK (low_water >= 0));
 INSERT INTO article1.retention VALUES (1, 0) ON CONFLICT DO NOTHING;
+
+-- Who may make a trigger on our tables: CREATE TRIGGER takes the TRIGGER privilege on the
+-- table (GRANT ALL includes it) and EXECUTE on the function, so no other role, PUBLIC
+-- included, may hold TRIGGER on them.  Checked now that every table exists, so that a
+-- privilege that default privileges (ALTER DEFAULT PRIVILEGES) gave a table made by this load
+-- is refused too; refused, this transaction makes and changes nothing.
+DO $$
+DECLARE
+    v_others text;
+BEGIN
+    SELECT pg_catalog.string_agg(pg_catalog.format('%s on %s', g.grantee, g.tables), '; '
+                                 ORDER BY g.grantee COLLATE pg_catalog."C")
+      INTO v_others
+      FROM (SELECT CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                   ELSE pg_catalog.pg_get_userbyid(a.grantee) END AS grantee,
+                   pg_catalog.string_agg(c.oid::pg_catalog.regclass::text, ', '
+                                         ORDER BY c.relname) AS tables
+              FROM pg_catalog.pg_class c, LATERAL pg_catalog.aclexplode(c.relacl) a
+             WHERE c.relnamespace = 'article1'::pg_catalog.regnamespace
+               AND a.privilege_type = 'TRIGGER' AND a.grantee <> c.relowner
+             GROUP BY a.grantee) g;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'article1''s tables let other roles create triggers on them: %', v_others
+            USING HINT = 'REVOKE TRIGGER ON ALL TABLES IN SCHEMA article1 FROM those roles.';
+    END IF;
+END $$;
 
 
 -- === 第一篇 §2: enqueue ====================================================================
@@ -275,23 +355,30 @@ END $$;
 -- way, as in reliability.claim, each due row before the one it takes is parked: an external
 -- one past its lease becomes unknown (§6); one unanswered 10 times since a person last
 -- decided, or whose payload is not the canonical text of its digest, becomes blocked.
--- p_owner_pid is the claimer's process id on the machine p_owner_host names, recorded for
--- reconcile()'s caller: a pid alone says nothing once claimers run on several machines.
--- The edition before took no machine: its claim() and reconcile() go, or they would stay
--- callable.
+-- p_owner_pid is the claimer's process id on the machine p_owner_host names, and
+-- p_owner_started that process's start time there (clock ticks since the machine booted),
+-- recorded for reconcile()'s caller: a pid alone says nothing once claimers run on several
+-- machines, and a pid and a machine name nothing once a restarted container gives its new
+-- process the old one's pid (README.md: how an agent computes them).
+-- The editions before took no machine, or no start time: their claim() and reconcile() go,
+-- or they would stay callable.
 DROP FUNCTION IF EXISTS article1.claim(numeric, numeric);
 DROP FUNCTION IF EXISTS article1.reconcile(text, text, text, numeric, boolean);
+DROP FUNCTION IF EXISTS article1.claim(numeric, numeric, text);
+DROP FUNCTION IF EXISTS article1.reconcile(text, text, text, numeric, boolean, numeric, text);
 CREATE OR REPLACE FUNCTION article1.claim(p_now numeric, p_owner_pid numeric,
-                                          p_owner_host text) RETURNS jsonb
+                                          p_owner_host text, p_owner_started numeric)
+RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v record;
     v_now bigint;
 BEGIN
     PERFORM check_ticks(0, p_now);
-    PERFORM check_owner(p_owner_pid, p_owner_host);
-    IF p_owner_host IS NULL THEN
-        RAISE EXCEPTION 'owner_host must name the claimer''s machine' USING ERRCODE = '22023';
+    PERFORM check_owner(p_owner_pid, p_owner_host, p_owner_started);
+    IF p_owner_host IS NULL OR p_owner_started IS NULL THEN
+        RAISE EXCEPTION 'owner_host and owner_started must name the claimer''s machine and'
+                        ' its start there' USING ERRCODE = '22023';
     END IF;
     -- A bigint, so that lease_until and issued_at are compared by their own type's index.
     v_now := p_now;
@@ -323,7 +410,8 @@ BEGIN
              WHERE id = v.id;
         ELSE
             UPDATE outbox SET state = 'inflight', attempts = attempts + 1,
-                   lease_until = v_now + 10, owner_pid = p_owner_pid, owner_host = p_owner_host
+                   lease_until = v_now + 10, owner_pid = p_owner_pid, owner_host = p_owner_host,
+                   owner_started = p_owner_started
              WHERE id = v.id;
             RETURN jsonb_build_object('status', 'claimed', 'caller', v.caller, 'key', v.key,
                                       'attempt', v.attempts + 1, 'mode', v.mode,
@@ -333,11 +421,15 @@ BEGIN
     END LOOP;
 END $$;
 
--- 只有仍持有该行的尝试能确认；同一尝试、同一回复再确认一次，答案不变。
+-- 只有仍持有该行的尝试能确认；同一尝试、同一回复再确认一次，答案不变；迟到的结果记下作证据，不应用。
 -- Records a response as done, only for the attempt that still holds the row: {"status":
 -- "acknowledged"}.  The same attempt with the same response again, after a lost reply,
--- answers "acknowledged" again.  Anything else changes nothing: {"status": "refused",
--- "state", "attempts"}.  A response that does not answer this request raises 22023.
+-- answers "acknowledged" again.  Anything else changes no outbox row: {"status": "refused",
+-- "state", "attempts"}; when the attempt was claimed but the row is no longer in flight under
+-- it (a later attempt took it, or it was settled), the response is a late result, recorded
+-- in late_results once per (caller, key, attempt, response), the first arrival kept.  An
+-- attempt never claimed records nothing.  A response that does not answer this request raises
+-- 22023 and records nothing.
 CREATE OR REPLACE FUNCTION article1.acknowledge(p_caller text, p_key text, p_attempt numeric,
                                                 p_response text) RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
@@ -368,6 +460,15 @@ BEGIN
     IF (v_row.state, v_row.attempts, v_row.response) = ('done', p_attempt, v_response) THEN
         RETURN '{"status": "acknowledged"}';
     END IF;
+    -- Late: evidence that this attempt reached the tool, never applied to the row.  A copy
+    -- racing this one waits on the row's lock above; at REPEATABLE READ and SERIALIZABLE the
+    -- copy that did not see this one commit raises 40001 here, and its retry adds no row.
+    IF p_attempt <= v_row.attempts THEN
+        INSERT INTO late_results (caller, key, attempt, response, response_digest, arrived_at)
+            VALUES (p_caller, p_key, p_attempt, v_response, digest_of(canonical(p_response)),
+                    statement_timestamp())
+            ON CONFLICT (caller, key, attempt, response_digest) DO NOTHING;
+    END IF;
     RETURN jsonb_build_object('status', 'refused', 'state', v_row.state,
                               'attempts', v_row.attempts);
 END $$;
@@ -376,26 +477,33 @@ END $$;
 -- === beyond 第一篇: leaving unknown, by evidence or by a person ============================
 -- 工具在 PostgreSQL 之外：对账的证据由调用方带来；人的决定连同审计行一起写下，审计行不改不删。
 -- The external tool is outside PostgreSQL, so the caller brings its evidence, in this order:
--- 1. read the row's owner_pid and owner_host, and on that machine check that the claimer
---    (and any tool child it started) is gone: p_gone, about p_owner_pid on p_owner_host;
---    only that machine can know, PostgreSQL cannot;
+-- 1. read the row's owner_pid, owner_host and owner_started, and on that machine check that
+--    the claimer (and any tool child it started) is gone: p_gone, about the process p_owner_pid
+--    started at p_owner_started on p_owner_host; only that machine can know, PostgreSQL cannot;
 -- 2. then ask the tool's own lookup for (caller, key): p_found, the JSON array of the
 --    responses it holds, each {"caller", "key", "digest", "ticket_id"};
 -- 3. then call reconcile.  Once nobody can act, a ticket found absent stays absent.
 -- One ticket with the request's digest makes the row done with it; none sends it back to
--- pending, only once the lease has ended and p_gone is true of the row's own claimer (a
--- claimer checked before a person's retry and a later claim is not the one that may act);
--- anything less certain leaves it unknown.  Returns {"status": the row's state, "reason" or
--- "response"}.  The owner may be NULL where p_gone is false; a row claimed under edition 1
--- recorded no host, and is named with p_owner_host NULL.
+-- pending, only once the lease has ended, p_gone is true of the row's own claimer (a claimer
+-- checked before a person's retry and a later claim is not the one that may act, nor is the
+-- process a restart gave the same pid), and no late result shows that an attempt reached the
+-- tool all the same (the lookup then misses what the tool did); anything less certain leaves
+-- it unknown.  Returns {"status": the row's state, "reason" or "response"}, and "late": the
+-- row's late results, oldest first, {"attempt", "response", "arrived_at"}, when it has any:
+-- shown as evidence for a person, never applied.  The owner may be NULL where p_gone is
+-- false; a row claimed under edition 1 recorded no host, and under 1 or 2 no start time: it
+-- is named with NULL for them.
 CREATE OR REPLACE FUNCTION article1.reconcile(p_caller text, p_key text, p_found text,
                                               p_now numeric, p_gone boolean,
-                                              p_owner_pid numeric, p_owner_host text)
+                                              p_owner_pid numeric, p_owner_host text,
+                                              p_owner_started numeric)
 RETURNS jsonb
 LANGUAGE plpgsql SET search_path = article1, pg_temp AS $$
 DECLARE
     v_found jsonb;
     v_row record;
+    v_late jsonb;
+    v_answer jsonb;
 BEGIN
     PERFORM check_identity(p_caller, p_key);
     v_found := found_of(p_found, p_caller, p_key);
@@ -404,43 +512,56 @@ BEGIN
         RAISE EXCEPTION 'gone must be true or false' USING ERRCODE = '22023';
     END IF;
     IF p_gone THEN
-        PERFORM check_owner(p_owner_pid, p_owner_host);
+        PERFORM check_owner(p_owner_pid, p_owner_host, p_owner_started);
     END IF;
-    -- Locked: a person's decision racing this call waits, or is waited for and then seen.
-    SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.owner_host, r.digest INTO v_row
+    -- Locked: a person's decision racing this call waits, or is waited for and then seen; so
+    -- does an acknowledgement, and with it a late result.
+    SELECT o.state, o.attempts, o.lease_until, o.owner_pid, o.owner_host, o.owner_started,
+           r.digest INTO v_row
       FROM outbox o JOIN requests r ON r.caller = o.caller AND r.key = o.key
      WHERE o.caller = p_caller AND o.key = p_key
        FOR UPDATE OF o;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no request %/%', p_caller, p_key USING ERRCODE = '22023';
     END IF;
+    SELECT jsonb_agg(jsonb_build_object('attempt', attempt, 'response', response,
+                                        'arrived_at', arrived_at) ORDER BY id)
+      INTO v_late
+      FROM late_results WHERE caller = p_caller AND key = p_key;
     IF v_row.state <> 'unknown' THEN
-        RETURN jsonb_build_object('status', v_row.state,
-                                  'reason', 'not unknown: nothing to reconcile');
-    END IF;
-    IF jsonb_array_length(v_found) = 1 AND v_found -> 0 ->> 'digest' = v_row.digest THEN
+        v_answer := jsonb_build_object('status', v_row.state,
+                                       'reason', 'not unknown: nothing to reconcile');
+    ELSIF jsonb_array_length(v_found) = 1 AND v_found -> 0 ->> 'digest' = v_row.digest THEN
         UPDATE outbox SET state = 'done', response = v_found -> 0, owner_pid = NULL,
-               owner_host = NULL
+               owner_host = NULL, owner_started = NULL
          WHERE caller = p_caller AND key = p_key;
-        RETURN jsonb_build_object('status', 'done', 'response', v_found -> 0);
-    END IF;
-    IF jsonb_array_length(v_found) > 0 THEN
-        RETURN jsonb_build_object('status', 'unknown', 'reason', format(
+        v_answer := jsonb_build_object('status', 'done', 'response', v_found -> 0);
+    ELSIF jsonb_array_length(v_found) > 0 THEN
+        v_answer := jsonb_build_object('status', 'unknown', 'reason', format(
             'the tool holds %s ticket(s) that do not settle it', jsonb_array_length(v_found)));
+    ELSIF p_now < coalesce(v_row.lease_until, 0) OR NOT p_gone THEN
+        v_answer := jsonb_build_object('status', 'unknown', 'reason',
+                                       'no ticket yet, but the unanswered attempt may still act');
+    ELSIF (v_row.owner_pid, v_row.owner_host, v_row.owner_started)
+          IS DISTINCT FROM (p_owner_pid, p_owner_host, p_owner_started) THEN
+        v_answer := jsonb_build_object('status', 'unknown', 'reason', format(
+            'gone is about another claimer: this attempt''s is pid %s on %s, started at %s',
+            v_row.owner_pid, coalesce(v_row.owner_host, 'a machine edition 1 did not record'),
+            coalesce(v_row.owner_started::text, 'a time editions 1 and 2 did not record')));
+    ELSIF v_late IS NOT NULL THEN
+        v_answer := jsonb_build_object('status', 'unknown', 'reason', 'the tool holds no'
+                                       ' ticket, yet a late result shows an attempt reached it');
+    ELSE
+        UPDATE outbox SET state = 'pending', owner_pid = NULL, owner_host = NULL,
+               owner_started = NULL
+         WHERE caller = p_caller AND key = p_key;
+        v_answer := jsonb_build_object('status', 'pending',
+                                       'reason', 'proven absent: retry under the same key');
     END IF;
-    IF p_now < coalesce(v_row.lease_until, 0) OR NOT p_gone THEN
-        RETURN jsonb_build_object('status', 'unknown', 'reason',
-                                  'no ticket yet, but the unanswered attempt may still act');
+    IF v_late IS NOT NULL THEN
+        v_answer := v_answer || jsonb_build_object('late', v_late);
     END IF;
-    IF (v_row.owner_pid, v_row.owner_host) IS DISTINCT FROM (p_owner_pid, p_owner_host) THEN
-        RETURN jsonb_build_object('status', 'unknown', 'reason', format(
-            'gone is about another claimer: this attempt''s is pid %s on %s',
-            v_row.owner_pid, coalesce(v_row.owner_host, 'a machine edition 1 did not record')));
-    END IF;
-    UPDATE outbox SET state = 'pending', owner_pid = NULL, owner_host = NULL
-     WHERE caller = p_caller AND key = p_key;
-    RETURN jsonb_build_object('status', 'pending',
-                              'reason', 'proven absent: retry under the same key');
+    RETURN v_answer;
 END $$;
 
 -- 人对 unknown 或 blocked 行的决定，针对他看到的那次尝试；之后被认领过的行拒绝，同一决定重放答原答案。
@@ -527,7 +648,7 @@ BEGIN
         v_evidence := response_of(p_evidence, p_caller, p_key, v_row.digest);
     END IF;
     UPDATE outbox SET state = v_state, response = v_evidence, owner_pid = NULL,
-           owner_host = NULL
+           owner_host = NULL, owner_started = NULL
      WHERE caller = p_caller AND key = p_key;
     -- The attempt it was decided at: claim() counts 10 attempts from here.
     INSERT INTO resolutions (caller, key, attempt, decision, decided_by, reason, evidence)
@@ -578,9 +699,13 @@ BEGIN
     END IF;
 END $$;
 
--- The claimer a claim records, or the one a reconcile's evidence is about: a process id, and
--- a name of its machine (NULL only where a row claimed under edition 1 recorded none).
-CREATE OR REPLACE FUNCTION article1.check_owner(p_pid numeric, p_host text) RETURNS void
+-- The claimer a claim records, or the one a reconcile's evidence is about: a process id, a
+-- name of its machine and its boot, and the process's start time there in clock ticks since
+-- that boot (NULL only where a row claimed under edition 1, or 1 or 2, recorded none).
+-- The edition before took no start time: its check_owner() goes.
+DROP FUNCTION IF EXISTS article1.check_owner(numeric, text);
+CREATE OR REPLACE FUNCTION article1.check_owner(p_pid numeric, p_host text, p_started numeric)
+RETURNS void
 LANGUAGE plpgsql IMMUTABLE SET search_path = article1, pg_temp AS $$
 BEGIN
     IF NOT coalesce(scale(p_pid) = 0 AND p_pid BETWEEN 1 AND 2147483647, false) THEN
@@ -588,6 +713,10 @@ BEGIN
     END IF;
     IF length(p_host) NOT BETWEEN 1 AND 255 THEN
         RAISE EXCEPTION 'owner_host must have 1 to 255 characters' USING ERRCODE = '22023';
+    END IF;
+    IF NOT coalesce(scale(p_started) = 0 AND p_started BETWEEN 0 AND 4611686018427387904,
+                    p_started IS NULL) THEN
+        RAISE EXCEPTION 'owner_started must be an integer from 0 to 2^62' USING ERRCODE = '22023';
     END IF;
 END $$;
 

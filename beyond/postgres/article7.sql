@@ -36,7 +36,12 @@ CREATE SCHEMA IF NOT EXISTS article7;
 -- A schema of this name that another role made first would be theirs, and so would every
 -- function loaded into it: they could replace one, and the loading role's next call would
 -- run their code with its rights.  So the schema must be the loading role's, with nothing in
--- it of another role's, and no other role may create in it.
+-- it of another role's, and no other role may create in it.  A trigger runs its function with
+-- the rights of whoever writes the table: this load's own writes below, and every later call.
+-- So no trigger on our tables may run, or test in its WHEN condition, a function another role
+-- owns (that role could replace it), checked here before this file writes a row; pg_catalog's
+-- are exempt: only a superuser changes them, who can change ours too.  Who may make such a
+-- trigger is checked once every table exists, below.
 DO $$
 DECLARE
     v_owner oid;
@@ -67,6 +72,34 @@ BEGIN
      WHERE n.nspname = 'article7' AND a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner;
     IF v_others IS NOT NULL THEN
         RAISE EXCEPTION 'schema article7 lets % create in it', v_others;
+    END IF;
+    SELECT pg_catalog.string_agg(pg_catalog.format('trigger %s on %s runs %s of %s', t.tgname,
+                                                   t.tgrelid::pg_catalog.regclass,
+                                                   p.oid::pg_catalog.regprocedure,
+                                                   pg_catalog.pg_get_userbyid(p.proowner)),
+                                 ', ' ORDER BY c.relname, t.tgname, p.oid)
+      INTO v_others
+      FROM pg_catalog.pg_trigger t
+      JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid,
+           -- The trigger's function, and what its WHEN condition calls: functions, and the
+           -- functions behind its operators (pg_depend records both).
+           LATERAL (SELECT t.tgfoid
+                     UNION SELECT d.refobjid FROM pg_catalog.pg_depend d
+                      WHERE d.classid = 'pg_catalog.pg_trigger'::pg_catalog.regclass
+                        AND d.objid = t.oid
+                        AND d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                     UNION SELECT o.oprcode::pg_catalog.oid FROM pg_catalog.pg_depend d
+                      JOIN pg_catalog.pg_operator o ON o.oid = d.refobjid
+                      WHERE d.classid = 'pg_catalog.pg_trigger'::pg_catalog.regclass
+                        AND d.objid = t.oid
+                        AND d.refclassid = 'pg_catalog.pg_operator'::pg_catalog.regclass) f(oid)
+      JOIN pg_catalog.pg_proc p ON p.oid = f.oid
+     WHERE c.relnamespace = 'article7'::pg_catalog.regnamespace AND NOT t.tgisinternal
+       AND p.proowner <> v_owner
+       AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'article7''s tables have triggers that run another role''s code: %',
+            v_others USING HINT = 'Drop those triggers, or load this file as that role.';
     END IF;
 END $$;
 
@@ -115,6 +148,32 @@ CREATE TABLE IF NOT EXISTS article7.retention (
     id integer PRIMARY KEY CHECK (id = 1),
     low_water bigint NOT NULL CHECK (low_water >= 0));
 INSERT INTO article7.retention VALUES (1, 0) ON CONFLICT DO NOTHING;
+
+-- Who may make a trigger on our tables: CREATE TRIGGER takes the TRIGGER privilege on the
+-- table (GRANT ALL includes it) and EXECUTE on the function, so no other role, PUBLIC
+-- included, may hold TRIGGER on them.  Checked now that every table exists, so that a
+-- privilege that default privileges (ALTER DEFAULT PRIVILEGES) gave a table made by this load
+-- is refused too; refused, this transaction makes and changes nothing.
+DO $$
+DECLARE
+    v_others text;
+BEGIN
+    SELECT pg_catalog.string_agg(pg_catalog.format('%s on %s', g.grantee, g.tables), '; '
+                                 ORDER BY g.grantee COLLATE pg_catalog."C")
+      INTO v_others
+      FROM (SELECT CASE a.grantee WHEN 0 THEN 'PUBLIC'
+                   ELSE pg_catalog.pg_get_userbyid(a.grantee) END AS grantee,
+                   pg_catalog.string_agg(c.oid::pg_catalog.regclass::text, ', '
+                                         ORDER BY c.relname) AS tables
+              FROM pg_catalog.pg_class c, LATERAL pg_catalog.aclexplode(c.relacl) a
+             WHERE c.relnamespace = 'article7'::pg_catalog.regnamespace
+               AND a.privilege_type = 'TRIGGER' AND a.grantee <> c.relowner
+             GROUP BY a.grantee) g;
+    IF v_others IS NOT NULL THEN
+        RAISE EXCEPTION 'article7''s tables let other roles create triggers on them: %', v_others
+            USING HINT = 'REVOKE TRIGGER ON ALL TABLES IN SCHEMA article7 FROM those roles.';
+    END IF;
+END $$;
 
 
 -- === 第七篇 §2–§6: execute, a version-checked transfer, decided once ========================

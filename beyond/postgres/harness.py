@@ -269,11 +269,11 @@ def drop(name):
         query(_run["admin"], f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def load(path, name):
-    """Run psql -v ON_ERROR_STOP=1 -f path on database name: (exit code, stderr text)."""
+def load(path, name, role=SUPERUSER):
+    """Run psql -v ON_ERROR_STOP=1 -f path on database name as role: (exit code, stderr text)."""
     started = server()
     done = subprocess.run([os.path.join(started.bindir, "psql"), "-X", "-q",
-                           "-v", "ON_ERROR_STOP=1", "-h", started.folder, "-U", SUPERUSER,
+                           "-v", "ON_ERROR_STOP=1", "-h", started.folder, "-U", role,
                            "-d", name, "-f", path],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, env=_env(), timeout=START)
