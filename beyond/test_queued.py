@@ -13,6 +13,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import sqlite3
 import stat
 import sys
@@ -310,6 +311,23 @@ class LeavingTest(unittest.TestCase):
             self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
             line.tell("served")
             self.assertEqual(line.finish("served"), (0, json.dumps("!")))
+
+    def test_a_writer_whose_bell_name_another_process_holds_still_wakes_the_one_behind_it(self):
+        with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
+            # Ticket 0's bell name, bound before its writer comes, as a process still listening
+            # on a line file whose inode this one reuses would hold it.
+            line.talk("holds the name", _hold_bell_name, 0)
+            line.heard("holds the name")
+            # Ticket 0: its own bell cannot be bound, so it looks for itself.
+            line.join("leaves", _leave_when_told)
+            # Ticket 1, behind it: it never looks for itself, only a wake-up lets it go.
+            line.talk("only woken", _only_woken, joins=True)
+            os.kill(line.writers["leaves"][0], signal.SIGUSR1)
+            self.assertEqual(line.finish("leaves"), (0, json.dumps("left the line")))
+            self.assertEqual(line.finish("only woken"), (0, json.dumps("!")))
+            # The wake-up went to the writer in line, not to the name's holder, who is not.
+            line.tell("holds the name")
+            self.assertEqual(line.finish("holds the name"), (0, json.dumps(None)))
 
     def test_a_writer_who_dies_or_gives_up_in_line_holds_up_nobody(self):
         with workspace() as ws, Line(ws.path("receiver"), ws.path("granted")) as line:
@@ -651,6 +669,20 @@ def _only_woken(database, said, leave):
         try:
             return bell.recv(1).decode()
         except OSError:
+            return None
+
+
+def _hold_bell_name(database, said, leave, ticket):
+    """Binds the bell name of ``ticket`` on the line as it is now, as a process that is not in
+    this line may hold it, until told to leave; says what it heard there (None: nothing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as bell:
+        bell.bind(line_mod._bell_name(os.stat(database + "-queue"), ticket))
+        os.write(said, b"in")
+        os.read(leave, 1)
+        bell.setblocking(False)
+        try:
+            return bell.recv(1).decode()
+        except BlockingIOError:
             return None
 
 

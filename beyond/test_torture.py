@@ -27,6 +27,7 @@ import test_reliability as article1
 from beyond import torture
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torture.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Seconds: only ends a hung child, never asserted as a measurement.
 WATCHDOG = 60.0
 # 4 workers x 40 operations: this seed kills every kind of operation, before its work and after.
@@ -101,7 +102,17 @@ class CheckTest(unittest.TestCase):
                 "worker-0/op-0 has tickets [1], its receipt names 2"),
             "a done row whose ticket is not its receipt's": (
                 sender, "UPDATE outbox SET response = json_set(response, '$.ticket_id', 2)",
-                "outbox worker-0/op-0 ends done with ticket 2, its receipt names 1"),
+                "outbox worker-0/op-0 done with ticket 2, its receipt names 1"),
+            "a pending row with neither ticket nor receipt": (
+                sender, "INSERT INTO requests SELECT caller, 'op-2', mode, digest, payload,"
+                " issued_at FROM requests; INSERT INTO outbox (caller, key, state)"
+                " VALUES ('worker-0', 'op-2', 'pending')",
+                "outbox worker-0/op-2 ends pending, an accepted intent never answered: the"
+                " receiver has no receipt for it"),
+            "a row left in flight whose receipt names a ticket": (
+                sender, "UPDATE outbox SET state = 'inflight', response = NULL",
+                "outbox worker-0/op-0 ends inflight, an accepted intent never answered: the"
+                " receiver's receipt names ticket 1"),
             "requests and outbox rows that differ in number": (
                 sender, "DELETE FROM outbox", "1 requests but 0 outbox rows"),
             "a reported answer that is not the stored decision": (
@@ -109,7 +120,23 @@ class CheckTest(unittest.TestCase):
                 " WHERE op = 'worker-0/t'", "reported worker-0/t applied, stored "),
             "a blocked row that was not given up after MAX_ATTEMPTS": (
                 sender, "UPDATE outbox SET state = 'blocked', response = '{\"error\": \"x\"}'",
-                "outbox worker-0/op-0 ends blocked with ticket None, its receipt names 1"),
+                "outbox worker-0/op-0 blocked, not given up after 10 attempts: "),
+            "a row blocked as given up after MAX_ATTEMPTS that had fewer": (
+                sender, "UPDATE outbox SET state = 'blocked', response = json_object('error',"
+                " 'no valid answer after 10 attempts')",
+                "outbox worker-0/op-0 blocked as given up after 10 attempts, but had 1"),
+            "the receipt of a reported stale outcome deleted": (
+                transfer, "DELETE FROM receipt WHERE op = 'worker-0/s'",
+                "reported worker-0/s stale, but its receipt is gone"),
+            "an applied receipt without its effect": (
+                transfer, "DELETE FROM effects WHERE op = 'worker-0/t'",
+                "worker-0/t: applied receipt, no row"),
+            "a resource row deleted": (
+                transfer, "DELETE FROM resources WHERE name = 'C'",
+                "resource C is gone: init made it, and nothing deletes one"),
+            "a resource init never made": (
+                transfer, "INSERT INTO resources VALUES ('E', 1, 1)",
+                "resource E was never made by init"),
             "a foreign key broken": (
                 sender, "UPDATE outbox SET caller = 'nobody'", "integrity of sender.db: "),
             "a reported ticket that is another key's": (
@@ -118,13 +145,64 @@ class CheckTest(unittest.TestCase):
         }
         for label, (name, sql, said) in breaks.items():
             with self.subTest(label), folder() as base:
-                with contextlib.closing(sqlite3.connect(os.path.join(base, name))) as tamper:
-                    tamper.execute("PRAGMA foreign_keys = OFF")
-                    tamper.execute(sql)
-                    tamper.commit()
+                tamper(base, name, sql)
                 violations = []
                 torture.check(base, violations)
                 self.assertTrue(any(line.startswith(said) for line in violations), violations)
+
+    def test_a_transfer_reported_applied_that_the_database_says_never_happened_is_reported(self):
+        # Its receipt made stale, its effect deleted and both resources put back by hand: the
+        # database alone is consistent, and only what the worker was told says otherwise.
+        with folder() as base:
+            tamper(base, torture.TRANSFER_DB, """
+                UPDATE receipt SET result = json_object('status', 'stale', 'observed',
+                    json_object('A', 2, 'B', 1)) WHERE op = 'worker-0/t';
+                DELETE FROM effects WHERE op = 'worker-0/t';
+                UPDATE resources SET quantity = quantity + 3, revision = revision - 1
+                    WHERE name = 'A';
+                UPDATE resources SET quantity = quantity - 3, revision = revision - 1
+                    WHERE name = 'B';""")
+            violations = []
+            torture.check(base, violations)
+            self.assertEqual(violations, ["reported worker-0/t applied, stored {'status': "
+                                          "'stale', 'observed': {'A': 2, 'B': 1}}"])
+
+    def test_a_plan_made_stale_that_was_applied_all_the_same_is_reported(self):
+        # A's revision put back by hand to the one the stale plan names: execute() finds the plan
+        # current and applies it, and the worker is told so.
+        with folder(before_stale="UPDATE resources SET revision = revision - 1"
+                                 " WHERE name = 'A'") as base:
+            violations = []
+            torture.check(base, violations)
+            self.assertIn("stale plan worker-0/s reported applied, not stale", violations)
+
+    def test_a_row_given_up_after_max_attempts_for_real_is_no_violation(self):
+        # A receiver that reads each request and dies before it answers: with nothing written,
+        # or once its ticket and receipt are committed.
+        for commits in (False, True):
+            with self.subTest(commits=commits), folder() as base:
+                start = never_answers(os.path.join(base, reliability.RECEIVER), commits)
+                sender_db = os.path.join(base, reliability.SENDER)
+                with contextlib.closing(reliability.connect(sender_db)) as sender:
+                    reliability.enqueue(sender, "worker-1", "op-0", {"worker": 1, "op": 0},
+                                        now=0)
+                    # Each attempt's lease ends before the next: the row is due again.
+                    tries = 0
+                    while reliability.dispatch(sender, base, tries * reliability.LEASE_TICKS,
+                                               start=start) is not None:
+                        tries += 1
+                    state, attempts, response = sender.execute(
+                        "SELECT state, attempts, response FROM outbox WHERE caller = 'worker-1'"
+                    ).fetchone()
+                given_up = {"error": "no valid answer after 10 attempts"}
+                self.assertEqual((tries, state, attempts, json.loads(response)),
+                                 (reliability.MAX_ATTEMPTS, "blocked", reliability.MAX_ATTEMPTS,
+                                  given_up))
+                violations = []
+                final = torture.check(base, violations)
+                self.assertEqual(violations, [])
+                self.assertEqual((final["outbox"]["blocked"], final["tickets"]),
+                                 (1, 3 if commits else 2))
 
 
 class CommandLineTest(unittest.TestCase):
@@ -204,10 +282,12 @@ class CommandLineTest(unittest.TestCase):
 # --- machinery -------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def folder():
+def folder(before_stale=None):
     """A torture folder as a run leaves it, made through the protocols: worker 0 enqueued op-0
     and a dispatch delivered it (ticket 1), received op-1 directly (ticket 2), transferred 3
-    from A to B (op worker-0/t) and changed A by -1; its reported file holds those answers."""
+    from A to B (op worker-0/t), changed A by -1 (op worker-0/c), and then ran a plan it made
+    stale as a worker does (op worker-0/s, A's revision minus 1); its reported file holds those
+    answers.  ``before_stale``: SQL run on transfer.db by hand just before the stale plan."""
     with tempfile.TemporaryDirectory() as base:
         reliability.init(base)
         preconditions.init(os.path.join(base, torture.TRANSFER_DB), torture.RESOURCES)
@@ -224,12 +304,50 @@ def folder():
             plan = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
             applied = preconditions.execute(transfer, "worker-0/t", plan, issued_at=0, now=0)
             changed = preconditions.change(transfer, "worker-0/c", "A", -1, issued_at=0, now=0)
+            seen = dict(transfer.execute("SELECT name, revision FROM resources"
+                                         " WHERE name IN ('A', 'B')").fetchall())
+            stale = {"src": "A", "dst": "B", "amount": 5, "expected": dict(seen, A=seen["A"] - 1)}
+            if before_stale is not None:
+                transfer.execute(before_stale)
+            made_stale = preconditions.execute(transfer, "worker-0/s", stale, issued_at=0, now=0)
         with open(torture._file(base, 0, "reported"), "w", encoding="utf-8") as reported:
             for entry in (delivered["response"], received,
                           {"op": "worker-0/t", "kind": "execute_fresh", "result": applied},
-                          {"op": "worker-0/c", "kind": "change", "result": changed}):
+                          {"op": "worker-0/c", "kind": "change", "result": changed},
+                          {"op": "worker-0/s", "kind": "execute_stale", "result": made_stale}):
                 reported.write(json.dumps(entry) + "\n")
         yield base
+
+
+def tamper(base, name, script):
+    """Run ``script`` on a database of the folder by hand, foreign keys off."""
+    with contextlib.closing(sqlite3.connect(os.path.join(base, name))) as database:
+        database.execute("PRAGMA foreign_keys = OFF")
+        database.executescript(script)
+
+
+# A receiver that reads the request and dies before it answers: argv is the project root, its
+# database, and whether it first commits the ticket and receipt as receive() does.
+NEVER_ANSWERS = """
+import contextlib, json, os, sys
+sys.path.insert(0, sys.argv[1])
+import reliability
+request = json.loads(sys.stdin.buffer.readline())
+if sys.argv[3] == "commits":
+    with contextlib.closing(reliability.connect(sys.argv[2])) as receiver:
+        reliability.receive(receiver, request["caller"], request["key"], request["payload"],
+                            issued_at=request["issued_at"], now=request["now"])
+os._exit(reliability.CRASH_EXIT)
+"""
+
+
+def never_answers(database, commits):
+    """A launcher for reliability.dispatch whose tool child is NEVER_ANSWERS on ``database``."""
+    def start(argv):
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", NEVER_ANSWERS, ROOT, database,
+                                 "commits" if commits else "dies"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return start
 
 
 if __name__ == "__main__":

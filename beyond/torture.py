@@ -152,12 +152,21 @@ def torture(seconds=None, seed=None, directory=None, operations=None):
 
 
 def check(base, violations):
-    """Check every invariant from fresh connections, all writers gone; return the final counts.
+    """Check every invariant from fresh connections, all writers gone and recovery done (every
+    lease over, every due row dispatched); return the final counts.
 
-    reliability: one ticket per key, named by its receipt; every outbox row done with that
-    ticket (or blocked after MAX_ATTEMPTS unanswered attempts); every response a worker was
-    given is committed.  preconditions: every answer given is the stored decision; one effect
-    per applied transfer and one change row per change; each revision is 1 + the writes to it;
+    reliability: one ticket per key, named by its receipt.  Every outbox row ends done with the
+    ticket its receipt names, or blocked with "no valid answer after MAX_ATTEMPTS attempts"
+    after that many attempts: killed in flight or never answered validly so often, it is parked
+    for a person as the protocol says, whatever the receiver holds, and is no violation.  Any
+    other row (pending, in flight) is an accepted intent that recovery left unanswered though
+    every row is due by then, whether or not the receiver holds a receipt for it (its line
+    says which).  Every ticket a worker was given is committed under its key.
+
+    preconditions: every outcome a worker was given has its receipt (nothing purges in a run)
+    and is the stored decision; a plan the worker made stale is given "stale" and nothing
+    else; one effect per applied transfer and one change row per change; the resources are
+    those init made, none gone and none added; each revision is 1 + the writes to it;
     quantities and their total follow the effects and changes.  Each break is appended to
     ``violations`` as one line.
     """
@@ -171,7 +180,8 @@ def check(base, violations):
                 violations.append(f"integrity of {name}: {health}")
         tickets = read(reliability.RECEIVER, "SELECT id, caller, key FROM tickets")
         receipts = read(reliability.RECEIVER, "SELECT caller, key, ticket_id FROM receipts")
-        outbox = read(reliability.SENDER, "SELECT caller, key, state, response FROM outbox")
+        outbox = read(reliability.SENDER,
+                      "SELECT caller, key, state, attempts, response FROM outbox")
         requests = read(reliability.SENDER, "SELECT count(*) FROM requests")[0][0]
         stored = {op: json.loads(result)
                   for op, result in read(TRANSFER_DB, "SELECT op, result FROM receipt")}
@@ -192,15 +202,27 @@ def check(base, violations):
                               f"{receipts.get((caller, key))}")
     states = dict.fromkeys(("pending", "inflight", "done", "unknown", "blocked", "abandoned"), 0)
     given_up = f"no valid answer after {reliability.MAX_ATTEMPTS} attempts"
-    for caller, key, state, response in outbox:
+    for caller, key, state, attempts, response in outbox:
         states[state] += 1
-        # Killed in flight MAX_ATTEMPTS times: parked for a person, as the protocol says.
-        if state == "blocked" and json.loads(response) == {"error": given_up}:
-            continue
-        ticket = json.loads(response)["ticket_id"] if state == "done" else None
-        if ticket is None or receipts.get((caller, key)) != ticket:
-            violations.append(f"outbox {caller}/{key} ends {state} with ticket {ticket}, "
-                              f"its receipt names {receipts.get((caller, key))}")
+        receipt = receipts.get((caller, key))
+        if state == "done":
+            ticket = json.loads(response)["ticket_id"]
+            if receipt != ticket:
+                violations.append(f"outbox {caller}/{key} done with ticket {ticket}, its receipt"
+                                  f" names {receipt}")
+        elif state == "blocked":
+            # Unanswered MAX_ATTEMPTS times: parked for a person, as the protocol says.
+            if json.loads(response) != {"error": given_up}:
+                violations.append(f"outbox {caller}/{key} blocked, not given up after"
+                                  f" {reliability.MAX_ATTEMPTS} attempts: {response}")
+            elif attempts < reliability.MAX_ATTEMPTS:
+                violations.append(f"outbox {caller}/{key} blocked as given up after"
+                                  f" {reliability.MAX_ATTEMPTS} attempts, but had {attempts}")
+        else:
+            held = (f"the receiver's receipt names ticket {receipt}" if receipt is not None
+                    else "the receiver has no receipt for it")
+            violations.append(f"outbox {caller}/{key} ends {state}, an accepted intent never"
+                              f" answered: {held}")
     if requests != len(outbox):
         violations.append(f"{requests} requests but {len(outbox)} outbox rows")
     ticket_keys = {ticket: (caller, key) for ticket, caller, key in tickets}
@@ -214,13 +236,15 @@ def check(base, violations):
                                   f"{ticket_keys.get(ticket)}, the receipt names "
                                   f"{receipts.get(identity)}")
             continue
-        result = entry["result"]
+        op, result = entry["op"], entry["result"]
         result = result["result"] if result["status"] == "replayed" else result
-        if stored.get(entry["op"]) != result:
-            violations.append(f"reported {entry['op']} {result['status']}, stored "
-                              f"{stored.get(entry['op'])}")
-        elif entry["kind"] == "execute_stale" and result["status"] != "stale":
-            violations.append(f"stale plan {entry['op']} was {result['status']}")
+        if op not in stored:
+            violations.append(f"reported {op} {result['status']}, but its receipt is gone")
+        elif stored[op] != result:
+            violations.append(f"reported {op} {result['status']}, stored {stored[op]}")
+        # A revision src had, or one it never reaches: never current, whatever was stored.
+        if entry["kind"] == "execute_stale" and result["status"] != "stale":
+            violations.append(f"stale plan {op} reported {result['status']}, not stale")
     # Exactly once: one row per applied or changed receipt, and no row without one.
     for status, rows in (("applied", effects), ("changed", changes)):
         done = {op for op, result in stored.items() if result["status"] == status}
@@ -228,7 +252,12 @@ def check(base, violations):
             violations.append(f"{op}: " + (f"{status} receipt, no row" if op in done
                                            else "a row, no receipt"))
     changes = [(name, delta) for _, name, delta in changes]
+    for name in sorted(set(RESOURCES) - {name for name, _, _ in resources}):
+        violations.append(f"resource {name} is gone: init made it, and nothing deletes one")
     for name, quantity, revision in resources:
+        if name not in RESOURCES:
+            violations.append(f"resource {name} was never made by init")
+            continue
         writes = sum(name in (src, dst) for _, src, dst, _ in effects)
         writes += sum(n == name for n, _ in changes)
         flow = sum(amount * ((dst == name) - (src == name)) for _, src, dst, amount in effects)
