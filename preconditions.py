@@ -157,6 +157,10 @@ def change(c, op, name, delta, *, issued_at, now, expected=None):
     check_ticks(issued_at, now)
     command = {"change": name, "delta": delta}
     if expected is not None:
+        # Read once, here: a generator walked by this check would be empty below.
+        if type(expected) not in (list, tuple, set, frozenset):
+            raise TypeError(f"expected must be a list, tuple or set of revisions, not"
+                            f" {type(expected).__name__}")
         # Part of the command: the same op planned on other revisions is a conflict.
         for revision in expected:
             _check_int(revision, "an expected revision", 1, MAX_INT64)

@@ -286,10 +286,16 @@ class ChangeIsAnOperationLikeATransfer(Case):
         # Matching none, an empty list is always stale; a revision below 1 is bad input.
         self.assertEqual(pre.change(self.c, "c-3", "A", 1, issued_at=0, now=0,
                                     expected=[])["status"], "stale")
-        for bad in ([0], [True], ["2"], 2):
+        for bad in ([0], [True], ["2"], 2, (revision for revision in [2]), {2: "A"}, "2"):
             with self.subTest(expected=bad), self.assertRaises((TypeError, ValueError)):
                 pre.change(self.c, "c-4", "A", 1, issued_at=0, now=0, expected=bad)
         self.assertEqual(self.figures(), ({"A": (9, 2), "B": (0, 1)}, 0, 3))
+        # Refused before anything was stored, the op is not spent: with the revisions as a
+        # tuple or a set it changes A.
+        self.assertEqual(pre.change(self.c, "c-4", "A", 1, issued_at=0, now=0,
+                                    expected=(2,))["status"], "changed")
+        self.assertEqual(pre.change(self.c, "c-4", "A", 1, issued_at=0, now=0,
+                                    expected={2})["status"], "replayed")
 
     def test_a_change_redone_by_a_new_process_after_the_first_ended_changes_a_once(self):
         outputs = [cli("change", self.db, "op-1", "A", 5, "--now", 0) for _ in range(2)]

@@ -731,6 +731,29 @@ class UntrustedRecordsAreRefusedNeverActedOn(unittest.TestCase):
                                                " 'blocked' AND attempts < 1").fetchone()[0],
                              len(damaged), "none of them is ever sent")
 
+    def test_a_re_spaced_payload_unanswered_max_attempts_times_is_blocked_as_corrupt_intent(self):
+        # The stronger reason: its request is not what enqueue() stored.
+        with workspace() as ws:
+            enqueue(ws)
+            for attempt in range(MAX_ATTEMPTS):
+                reliability.claim(ws.sender, attempt * LEASE_TICKS)
+            ws.sender.execute("UPDATE requests SET payload = ?",
+                              (json.dumps(PAYLOAD, ensure_ascii=False),))
+            self.assertIsNone(reliability.claim(ws.sender, MAX_ATTEMPTS * LEASE_TICKS))
+            self.assertEqual(state(ws), ("blocked", MAX_ATTEMPTS))
+            self.assertEqual(outbox(ws)["response"]["error"], "corrupt intent: not the text,"
+                             " payload and digest enqueue() stores")
+
+    def test_an_external_attempt_past_its_lease_is_unknown_even_with_a_re_spaced_payload(self):
+        # It may have reached the tool: unknown, whatever its stored request now looks like.
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            reliability.claim(ws.sender, 0)
+            ws.sender.execute("UPDATE requests SET payload = ?",
+                              (json.dumps(PAYLOAD, ensure_ascii=False),))
+            self.assertIsNone(reliability.claim(ws.sender, LEASE_TICKS))
+            self.assertEqual((state(ws), outbox(ws)["response"]), (("unknown", 1), None))
+
     def test_a_corrupt_receipt_is_answered_as_such_and_the_sender_blocks_the_row_at_once(self):
         with workspace() as ws:
             enqueue(ws)
@@ -1264,6 +1287,16 @@ class OneClaimerWinsAndStaleAttemptsChangeNothing(unittest.TestCase):
                               False)
             self.assertEqual((state(ws), outbox(ws)["response"]), (("done", 2), response))
 
+    def test_delivering_attempt_1_after_a_claim_moved_the_row_to_attempt_2_reports_stale(self):
+        with workspace() as ws:
+            enqueue(ws)
+            first = reliability.claim(ws.sender, 0)
+            reliability.claim(ws.sender, LEASE_TICKS + 1)
+            late = reliability.deliver(ws.sender, ws.root, first, start=launcher())
+            self.assertEqual((late["status"], late["acknowledged"], late["response"]["ticket_id"]),
+                             ("stale", False, 1))
+            self.assertEqual((state(ws), outbox(ws)["response"]), (("inflight", 2), None))
+
     def test_giving_up_an_attempt_changes_only_that_attempt_and_only_while_in_flight(self):
         refusal = {"error": "conflict", "message": "another payload"}
         with workspace() as ws:
@@ -1704,6 +1737,14 @@ class ReconcileSettlesUnknownOnlyOnEvidence(unittest.TestCase):
             for now in (-1, True, 1.5, "9", None, reliability.MAX_TICK + 1):
                 with self.subTest(now=now), self.assertRaises(ValueError):
                     reconcile(ws, now=now)
+
+    def test_an_external_row_in_flight_inside_its_lease_with_no_ticket_answers_inflight(self):
+        with workspace() as ws:
+            enqueue(ws, mode="external")
+            reliability.claim(ws.sender, 0)
+            before = sender_rows(ws)
+            self.assertEqual(reconcile(ws, now=5)["status"], "inflight")
+            self.assertEqual(sender_rows(ws), before)
 
     def test_alive_counts_this_process_and_another_users_and_only_a_missing_pid_as_gone(self):
         self.assertTrue(reliability._alive(os.getpid()))
