@@ -62,6 +62,9 @@ WATCHDOG = 60.0
 JOBS = 3
 # Children forked (a few ms) rather than fresh interpreters (about 30 ms); --exec: fresh ones.
 USE_FORK = hasattr(os, "fork")
+# The write end of a pipe every process of a run's workers holds, and no other: its read end
+# sees EOF once each of them has ended (see collect).  None outside a run with workers.
+LIFELINE = None
 # What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
 STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
@@ -1045,30 +1048,42 @@ def start_all(names, jobs=JOBS):
     scenario owns its directory and children, so sharing changes no result);
     otherwise they run here, one after another, before this returns.
     """
+    global LIFELINE
     pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
-               "workers": [], "runs": None}
+               "workers": [], "runs": None, "lifeline": None}
     try:
         if reliability is not None:
             reliability.init(os.path.join(pending["base"], "template"))
         if not USE_FORK or jobs < 2 or len(names) < 2:
             pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
         else:
+            pending["lifeline"], LIFELINE = os.pipe()
             for _ in range(min(jobs, len(names))):
                 # A stop waits from the fork to the bookkeeping: an unrecorded worker would run on.
                 with stops_held():
                     pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
+                    # Each worker leads a process group of its own, which its children join:
+                    # set here as in the worker, so that a stop never finds it unset.
+                    with contextlib.suppress(OSError):
+                        os.setpgid(pending["workers"][-1][0], 0)
     except BaseException:
         # Interrupted or failed while starting: the workers started so far go too.
         for pid, _ in pending["workers"]:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         collect(pending)
         raise
+    finally:
+        # Only the workers and their children hold it now.
+        if LIFELINE is not None:
+            os.close(LIFELINE)
+            LIFELINE = None
     return pending
 
 
 def _work(names, base):
     # Each worker runs the scenarios it is first to claim (one O_EXCL file each), so the
     # workers finish together however unequal the scenarios are.
+    os.setpgid(0, 0)
     runs = {}
     for name in names:
         try:
@@ -1086,9 +1101,11 @@ def _work(names, base):
 def collect(pending):
     """Wait for the workers of start_all(), reap them, remove the directory; return the Runs.
 
-    Interrupted (KeyboardInterrupt), it kills every worker first.  A worker that Ctrl-C,
-    SIGTERM or SIGHUP ended was interrupted with the run, which then raises KeyboardInterrupt
-    too: its scenarios did not fail, the run was stopped.
+    Interrupted (KeyboardInterrupt), it kills every worker first, with the children it started
+    (its process group).  Either way the directory goes only once every process of the run has
+    ended (the lifeline's EOF), so that none writes into it after, or outlives the driver.  A
+    worker that Ctrl-C, SIGTERM or SIGHUP ended was interrupted with the run, which then raises
+    KeyboardInterrupt too: its scenarios did not fail, the run was stopped.
     """
     readers = {reader for _, reader in pending["workers"]}
     stopped = False
@@ -1111,9 +1128,9 @@ def collect(pending):
         runs = merge_cells(pending["runs"])
     except BaseException:
         # Interrupted before every worker reported (a SIGTERM may have reached this process
-        # alone): none of them runs on.
+        # alone): none of them, and none of their children, runs on.
         for pid, _ in pending["workers"]:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         raise
     finally:
         # Whatever happened, and uninterrupted: each worker reaped, then the directory goes.
@@ -1122,8 +1139,19 @@ def collect(pending):
             for reader in readers:
                 os.close(reader)
             for pid, _ in pending["workers"]:
+                # Ended, not yet reaped, so that its pid still names its group: what is left
+                # of the group goes with it.
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
                 stopped |= -os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) in STOPS
             pending["workers"] = []
+            if pending["lifeline"] is not None:
+                # EOF once the last process that held the lifeline has ended.
+                while os.read(pending["lifeline"], 1):
+                    pass
+                os.close(pending["lifeline"])
+                pending["lifeline"] = None
             shutil.rmtree(pending["base"], ignore_errors=True)
     if stopped:
         raise KeyboardInterrupt
@@ -1160,7 +1188,7 @@ def start(module, *args, run=None):
             # Binary pipes: what crosses them is UTF-8 whatever the locale.
             child = subprocess.Popen([interpreter(), "-I", "-S", os.path.join(HERE, module),
                                       *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=stderr)
+                                     stderr=stderr, pass_fds=[LIFELINE] if LIFELINE else [])
             child.readline = lambda: child.stdout.readline().decode("utf-8").rstrip("\n")
             child.send = lambda text: (child.stdin.write(text.encode("utf-8")),
                                        child.stdin.flush())
@@ -1370,10 +1398,11 @@ def fork_start(module, argv, keep=(), stderr=None):
         os.dup2(stdout_w, 1)
         if stderr is not None:
             os.dup2(stderr, 2)
-        # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
-        # children (their EOF would wait for this one), nor a writer queue a dead parent held.
+        # Nothing of the parent's stays open here but ``keep`` and the run's lifeline: not the
+        # pipes of its other children (their EOF would wait for this one), nor a writer queue a
+        # dead parent held.
         low = 3
-        for fd in sorted(keep):
+        for fd in sorted({*keep, LIFELINE} - {None}):
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, os.sysconf("SC_OPEN_MAX"))
@@ -1600,12 +1629,14 @@ def main(argv=None):
         return 1
 
 
+def refuse(message):
+    """Bad usage: one line on stderr, and exit status 2."""
+    print(f"run_experiment.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _usable(args):
-    """Refuse, before any scenario runs, an --output or a --check file that cannot be used:
-    one line on stderr and exit status 2."""
-    def refuse(message):
-        print(f"run_experiment.py: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+    """Refuse, before any scenario runs, an --output or a --check file that cannot be used."""
     if reliability is None and preconditions is None:
         refuse("neither reliability.py nor preconditions.py is next to this script")
     if args.output:
@@ -1648,7 +1679,7 @@ def _main(argv):
     global USE_FORK
     USE_FORK = USE_FORK and not args.exec
     if args.download:
-        return download(*args.download, parser.error)
+        return download(*args.download)
     # Fresh children need an interpreter: said once, before any scenario, not once a scenario.
     if not USE_FORK:
         try:
@@ -1709,30 +1740,78 @@ def _main(argv):
         shown = "results.json" if args.check == RESULTS else args.check
         print(f"{len(runs) - len(mismatched)}/{len(runs)} scenarios match {shown}", file=out)
         status = 1 if diffs or failed else status
+    if args.check or args.output:
+        absent(args.expected if args.check else None, out)
     return status
 
 
-def download(article, folder, refuse):
+def absent(expected, out):
+    """Say where the results compared with (default: results.json next to this script) hold an
+    article whose module is not here, as the project's whole file does in a folder of one
+    article's files copied by hand: those were not run, and --output writes without them."""
+    if expected is None:
+        try:
+            with open(RESULTS, encoding="utf-8") as handle:
+                expected = json.load(handle)
+        except (OSError, ValueError):
+            return
+    held = {article_of(group, name) for group, scenarios in expected.items()
+            if isinstance(scenarios, dict) for name in scenarios}
+    for article, (module, _) in DOWNLOADS.items():
+        if article in held and MODULES[module] is None:
+            mine = "1" if article == "7" else "7"
+            print(f"note: the results also hold article {article}'s, which need {module} here:"
+                  " they were not run, and an --output file leaves them out, so cmp differs."
+                  f" Article {mine}'s own five files: python3 run_experiment.py --download"
+                  f" {mine} DIR, in the project.", file=out)
+
+
+def download(article, folder):
     """Article ``article``'s five files into ``folder``: its module and tests, this driver,
-    README.md, and results.json holding that article's results alone.  Never overwrites."""
+    README.md, and results.json holding that article's results alone.  ``folder`` must be new
+    or an empty folder, never overwritten: the files are written into a temporary folder beside
+    it, which is renamed to it at the end, so that a download that fails (a full disk) leaves
+    nothing behind to block the next one.  A refusal is one line: exit 2 for a folder that
+    cannot be used, 1 for one that could not be written."""
     if article not in DOWNLOADS:
         refuse(f"--download {article}: the articles here are {' and '.join(DOWNLOADS)}")
     names = (DOWNLOADS[article][0], "run_experiment.py", DOWNLOADS[article][1], "README.md")
     for name in names + ("results.json",):
         if not os.path.exists(os.path.join(HERE, name)):
             refuse(f"--download {article}: {name} is not next to this script")
-        if os.path.lexists(os.path.join(folder, name)):
-            refuse(f"--download: {os.path.join(folder, name)} exists; it is never overwritten")
+    if not folder:
+        refuse("--download: the folder's name is empty")
     with open(RESULTS, encoding="utf-8") as handle:
         results = json.load(handle)
     kept = {group: {name: stages for name, stages in scenarios.items()
                     if article_of(group, name) == article}
             for group, scenarios in results.items()}
-    os.makedirs(folder, exist_ok=True)
-    for name in names:
-        shutil.copyfile(os.path.join(HERE, name), os.path.join(folder, name))
-    with open(os.path.join(folder, "results.json"), "w", encoding="utf-8") as handle:
-        handle.write(render({group: scenarios for group, scenarios in kept.items() if scenarios}))
+    try:
+        made = tempfile.mkdtemp(prefix=".download-", dir=os.path.dirname(os.path.abspath(folder)))
+    except OSError as error:
+        refuse(f"--download: cannot write beside {folder}: {error.strerror}")
+    try:
+        for name in names:
+            shutil.copyfile(os.path.join(HERE, name), os.path.join(made, name))
+        with open(os.path.join(made, "results.json"), "w", encoding="utf-8") as handle:
+            handle.write(render({group: found for group, found in kept.items() if found}))
+        # A folder as os.mkdir() makes it, not mkdtemp()'s private one.
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(made, 0o777 & ~mask)
+        # The last step, and the only one that touches ``folder``: the kernel refuses anything
+        # there but an empty folder (a file, a link, a FIFO, a folder that holds something).
+        try:
+            os.rename(made, folder)
+        except OSError as error:
+            refuse(f"--download: {folder} exists and is not an empty folder ({error.strerror});"
+                   " it is never overwritten")
+    except OSError as error:
+        print(f"run_experiment.py: error: --download: could not write {folder}:"
+              f" {error.strerror or error}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
     print(f"wrote article {article}'s five files to {folder}")
     return 0
 

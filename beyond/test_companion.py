@@ -773,16 +773,17 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
     @unittest.skipUnless(hasattr(os, "fork") and os.path.isdir("/proc"),
                          "forked workers, seen through Linux /proc")
     def test_an_interrupt_while_the_workers_run_kills_them_and_is_one_line_not_a_mismatch(self):
-        # A scenario whose worker waits for ever in the read of a pipe nobody writes, beside one
-        # that ends.  The driver, as its command line runs it in a process group of its own, is
-        # stopped while that worker waits: by SIGINT, SIGTERM or SIGHUP to its group (the
-        # workers die of it too, quietly), or by SIGTERM to the driver alone (it must kill them
-        # itself).
+        # A scenario whose worker waits for its child, which waits for ever in the read of a
+        # pipe nobody writes, beside one that ends.  The driver, as its command line runs it in
+        # a process group of its own, is stopped while that child waits: by SIGINT, SIGTERM or
+        # SIGHUP to its group, or by SIGTERM to the driver alone.  Either way it kills its
+        # workers and their children itself, and it ends only after they have.
         def ends(run):
             run.stages["seen"] = {"ended": True}
             return "ended"
         held, hold = os.pipe()
-        added = {"waits": lambda run: os.read(held, 1), "ends": ends}
+        added = {"waits": lambda run: os.waitpid(run_experiment.fork(
+                     lambda: os.read(held, 1) and 0), 0), "ends": ends}
         for name, function in added.items():
             run_experiment.SCENARIOS[name] = ("article_7", name, function)
         try:
@@ -805,10 +806,11 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                         deadline = time.monotonic() + WATCHDOG
                         waiting = []
                         while not waiting:
-                            self.assertLess(time.monotonic(), deadline, "no worker waits")
+                            self.assertLess(time.monotonic(), deadline, "no child waits")
                             time.sleep(0.005)
-                            waiting = [worker for worker in article1.children_of(pid)
-                                       if article1.sleeps_in_read(worker, held)]
+                            waiting = [child for worker in article1.children_of(pid)
+                                       for child in article1.children_of(worker)
+                                       if article1.sleeps_in_read(child, held)]
                         # It handles none of the three (Linux /proc's mask of the signals it
                         # catches): each ends it at once, quietly.
                         with open(f"/proc/{waiting[0]}/status", encoding="utf-8") as status:
@@ -817,8 +819,9 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                         self.assertEqual([number for number in (signal.SIGINT, signal.SIGTERM,
                                                                 signal.SIGHUP)
                                           if caught & 1 << number - 1], [])
-                        workers = [(worker, article1.started_at(worker))
-                                   for worker in article1.children_of(pid)]
+                        workers = [(process, article1.started_at(process))
+                                   for worker in article1.children_of(pid)
+                                   for process in [worker, *article1.children_of(worker)]]
                         # A worker that ended already is no worker to kill.
                         workers = [(worker, started) for worker, started in workers if started]
                         stop(pid)
@@ -916,6 +919,83 @@ class TheFiveFilesRunAlone(unittest.TestCase):
         for article in "17":
             with self.subTest(article=article):
                 self.assert_made_by_the_run_alone(article)
+
+    def test_a_download_folder_that_cannot_be_used_is_one_line_and_leaves_nothing(self):
+        with tempfile.TemporaryDirectory() as parent:
+            os.chmod(parent, 0o777)
+            made = {"a file": lambda path: open(path, "w").close(),
+                    "a dangling link": lambda path: os.symlink("nowhere", path),
+                    "a FIFO": os.mkfifo, "a folder that holds a file": lambda path: (
+                        os.mkdir(path), open(os.path.join(path, "x"), "w").close())}
+            for label, make in made.items():
+                with self.subTest(label):
+                    path = os.path.join(parent, label.replace(" ", "-"))
+                    make(path)
+                    before = sorted(os.listdir(parent))
+                    code, out, err = run_main("--download", "1", path)
+                    self.assertEqual((code, out), (2, ""))
+                    self.assertRegex(err, rf"\Arun_experiment.py: error: --download:"
+                                     rf" {re.escape(path)} exists and is not an empty folder"
+                                     r" \([^)\n]+\); it is never overwritten\n\Z")
+                    self.assertEqual(sorted(os.listdir(parent)), before)
+            self.assertEqual(run_main("--download", "1", ""),
+                             (2, "", "run_experiment.py: error: --download: the folder's name is"
+                                     " empty\n"))
+            # A folder another user may not write in: refused before anything is made.
+            locked = os.path.join(parent, "locked")
+            os.mkdir(locked, 0o555)
+            if os.geteuid() == 0:
+                done = run_experiment.run_forked(lambda: article1._become_nobody() or run_main(
+                    "--download", "1", os.path.join(locked, "article-1")))
+            else:
+                done = run_main("--download", "1", os.path.join(locked, "article-1"))
+            self.assertEqual(list(done), [2, "", "run_experiment.py: error: --download: cannot"
+                                          f" write beside {locked}/article-1: Permission"
+                                          " denied\n"])
+            self.assertEqual(os.listdir(locked), [])
+            # An empty folder is taken.
+            empty = os.path.join(parent, "empty")
+            os.mkdir(empty)
+            self.assertEqual(run_main("--download", "7", empty)[0], 0)
+            self.assertEqual(sorted(os.listdir(empty)), sorted(DOWNLOAD_7))
+
+    def test_a_download_that_fails_half_way_leaves_nothing_and_the_next_one_succeeds(self):
+        # The kernel refuses a write past a file-size limit (EFBIG), as a full disk would.
+        def limited(folder):
+            import resource
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+            return run_main("--download", "1", folder)
+        with tempfile.TemporaryDirectory() as parent:
+            folder = os.path.join(parent, "article-1")
+            code, out, err = run_experiment.run_forked(limited, folder)
+            self.assertEqual((code, out), (1, ""))
+            self.assertEqual(err, f"run_experiment.py: error: --download: could not write {folder}:"
+                             " File too large\n")
+            self.assertEqual(os.listdir(parent), [])
+            self.assertEqual(run_main("--download", "1", folder)[0], 0)
+            self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD_1))
+
+    def test_files_copied_by_hand_with_the_whole_results_json_check_and_say_why_cmp_differs(self):
+        # One article's files beside the project's whole results.json: its scenarios match, the
+        # run says that the other article's were not run, and how to get the download.
+        with tempfile.TemporaryDirectory() as folder:
+            for name in DOWNLOAD_1:
+                shutil.copyfile(os.path.join(ROOT, name), os.path.join(folder, name))
+            note = ("note: the results also hold article 7's, which need preconditions.py here:"
+                    " they were not run, and an --output file leaves them out, so cmp differs."
+                    " Article 1's own five files: python3 run_experiment.py --download 1 DIR, in"
+                    " the project.")
+            outs = []
+            for argv in (["--check"], ["--output", "reproduced.json"]):
+                with self.subTest(argv=argv):
+                    done = in_download(folder, "run_experiment.py", *argv)
+                    outs.append(done.stdout.decode("utf-8"))
+                    self.assertEqual(done.returncode, 0, outs[-1])
+                    self.assertEqual(outs[-1].splitlines()[-1], note)
+            self.assertIn("32/32 scenarios match results.json", outs[0])
+            self.assertNotEqual(article1.file_bytes(os.path.join(folder, "reproduced.json")),
+                                article1.file_bytes(os.path.join(folder, "results.json")))
 
     def assert_made_by_the_run_alone(self, article):
         """Article ``article``'s download holds exactly its part of the project's results.json,
