@@ -20,18 +20,15 @@ if sys.version_info < (3, 9):
     sys.stderr.write(f"preconditions.py needs Python 3.9 or newer, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
-import signal
 import sqlite3
 import stat
 from contextlib import contextmanager
 
-__all__ = ["execute", "history", "change", "purge", "connect", "init", "snapshot", "transaction",
-           "wal_reset_bug"]
+__all__ = ["execute", "history", "change", "purge", "connect", "init", "snapshot", "transaction"]
 
 # 第七篇 §6: the named crash boundaries and the exit code of each.
 EXIT_CODES = {"after_source_update": 71, "before_commit": 72, "after_commit": 73}
@@ -470,44 +467,6 @@ def _create(path, application_id, schema, fill=None):
             connection.close()
 
 
-def wal_reset_bug(version=None):
-    """True if this SQLite (default: the linked one) has the WAL-reset race.
-
-    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
-    3.44.6), can corrupt a WAL database or lose commits when several connections write and
-    checkpoint: exactly the use these modules teach.
-    """
-    version = tuple(version or sqlite3.sqlite_version_info)
-    if not (3, 7, 0) <= version < (3, 51, 3):
-        return False
-    return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
-
-
-def _text(value):
-    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
-    as (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale
-    gives them."""
-    try:
-        return os.fsencode(value).decode("utf-8")
-    except UnicodeError:
-        # Not bytes of UTF-8 text: left as it came, and refused where it is checked.
-        return value
-
-
-def _json_argument(text, what):
-    try:
-        return json.loads(text, object_pairs_hook=_no_repeats)
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-    except ValueError as error:
-        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
-
-
-def _no_repeats(pairs):
-    if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("it repeats a key")
-    return dict(pairs)
-
 
 # --- DELIBERATELY UNSAFE baseline (第七篇 §3): never called by the protocol above ----------
 
@@ -551,7 +510,8 @@ def unsafe_check_then_act(c, op, command, *, pause=None):
 
 # --- crash boundaries (第七篇 §6) -----------------------------------------------------------
 
-# The boundary at which this process dies; set only by a child's CLI (--crash).
+# The boundary at which this process dies, or None: set by whoever arms the process (the
+# experiment's driver).
 CRASH_AT = None
 
 
@@ -560,193 +520,3 @@ def crash_point(name):
         # Unbuffered: said, then gone; no finally, no flush, no COMMIT, a real process death.
         os.write(2, f"preconditions.py: died at {name} (exit {EXIT_CODES[name]})\n".encode())
         os._exit(EXIT_CODES[name])
-
-
-# --- command line: the experiment's child processes, and a reader stepping by hand ----------
-
-def main(argv=None):
-    """preconditions.py COMMAND DB ...: one JSON line on stdout, as UTF-8 bytes whatever the
-    locale, whose "status" says what happened (after READY where --wait or the unsafe baseline
-    waits for GO on stdin).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad
-    usage, at ``--crash BOUNDARY`` 71, 72 or 73 (EXIT_CODES), and 130 interrupted (one line on
-    stderr: Ctrl-C, or SIGTERM or SIGHUP at the command line).
-    """
-    global CRASH_AT
-    args = _parser().parse_args(None if argv is None else list(argv))
-    CRASH_AT = getattr(args, "crash", None)
-    try:
-        return _answer(args)
-    except KeyboardInterrupt:
-        # The command's own cleanup has run: its database is closed, nothing half-written.
-        return _interrupted(f"preconditions.py {args.command}")
-
-
-def _answer(args):
-    """Run the command and print its JSON line; the exit status."""
-    try:
-        answer = COMMANDS[args.command][0](args)
-    except (ValueError, TypeError, OSError, RecursionError, sqlite3.Error) as error:
-        message = " ".join(str(error).split()) or type(error).__name__
-        sys.stderr.write(f"preconditions.py {args.command}: {type(error).__name__}:"
-                         f" {message}\n")
-        return 1
-    try:
-        sys.stdout.buffer.write(_dumps(answer).encode("utf-8") + b"\n")
-        sys.stdout.buffer.flush()
-    except BrokenPipeError:
-        # The reader is gone; the interpreter's exit flush stays quiet too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    return 0
-
-
-def _init(args):
-    resources = dict(args.resources)
-    if len(resources) < len(args.resources):
-        raise ValueError("each resource is named once")
-    return dict(init(args.db, resources), status="initialised")
-
-
-def _execute(args):
-    command = _json_argument(args.command_json, "COMMAND_JSON")
-    with contextlib.closing(connect(args.db)) as c:
-        if args.wait:
-            _wait_for_go()
-        return execute(c, args.op, command, issued_at=_issued_at(args), now=args.now)
-
-
-def _change(args):
-    with contextlib.closing(connect(args.db)) as c:
-        return change(c, args.op, args.name, args.delta, issued_at=_issued_at(args),
-                      now=args.now)
-
-
-def _purge(args):
-    with contextlib.closing(connect(args.db)) as c:
-        return dict(purge(c, args.now, args.window), status="purged")
-
-
-def _snapshot(args):
-    with contextlib.closing(connect(args.db)) as c:
-        return snapshot(c)
-
-
-def _unsafe(args):
-    command = _json_argument(args.command_json, "COMMAND_JSON")
-    with contextlib.closing(connect(args.db)) as c:
-        return unsafe_check_then_act(c, args.op, command, pause=_wait_for_go)
-
-
-def _resource(item):
-    """NAME=QTY from the command line, as (name, quantity); a usage error otherwise."""
-    name, sep, quantity = _text(item).rpartition("=")
-    try:
-        return name, int(quantity if sep and name else "no")
-    except ValueError:
-        import argparse
-        raise argparse.ArgumentTypeError(f"expected NAME=QTY with an integer QTY, got {item!r}")
-
-
-# Each command: its function, what it does, its arguments (after DB).
-COMMANDS = {
-    "init": (_init, "create a database with each resource at revision 1", ("resources",)),
-    "execute": (_execute, "run a version-checked plan once (第七篇 §2-§6)",
-                ("op", "command_json", "--now", "--issued-at", "--crash", "--wait")),
-    "change": (_change, "quantity + DELTA and revision + 1, once per op (第七篇 §4)",
-               ("op", "name", "delta", "--now", "--issued-at")),
-    # purge decides about no op: it has --now but no --issued-at.
-    "purge": (_purge, "delete receipts older than T - W and raise the low-water mark",
-              ("--now", "--window")),
-    "snapshot": (_snapshot, "print the resources, and how many effects and receipts there are",
-                 ()),
-    "unsafe-check-then-act": (_unsafe, "UNSAFE baseline: check, READY/GO, then write without"
-                              " checking again", ("op", "command_json")),
-}
-ARGUMENTS = {
-    "resources": {"nargs": "+", "metavar": "NAME=QTY", "type": _resource,
-                  "help": "a resource and its quantity"},
-    "op": {"type": _text, "help": "the operation ID, stable for one decision"},
-    "command_json": {"type": _text, "metavar": "COMMAND_JSON",
-                     "help": 'the plan, JSON: {"src": NAME, "dst": NAME, "amount": N,'
-                     ' "expected": {NAME: REVISION, ...}}'},
-    "name": {"type": _text, "help": "the resource"},
-    "delta": {"type": int, "help": "the change of its quantity"},
-    "--now": {"type": int, "required": True, "metavar": "T",
-              "help": "the logical tick it happens at"},
-    "--issued-at": {"type": int, "metavar": "T0",
-                    "help": "the tick the op was decided at (default T); a retry must pass the"
-                    " original one, or after purge it could be decided again"},
-    "--crash": {"choices": EXIT_CODES, "metavar": "BOUNDARY",
-                "help": "die at that boundary with its exit code: "
-                + ", ".join(f"{b} {code}" for b, code in EXIT_CODES.items())},
-    "--wait": {"action": "store_true",
-               "help": "print READY, then wait for GO on stdin before the transaction"},
-    "--window": {"type": int, "required": True, "metavar": "W",
-                 "help": "ticks of receipts to keep"},
-}
-
-
-def _parser():
-    import argparse
-    parser = argparse.ArgumentParser(
-        prog="preconditions.py", description=__doc__.split("\n")[0],
-        epilog="exit status: 0 done, 1 refused or failed, 2 bad usage, 71-73 at --crash, 130"
-        " interrupted (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (_, text, arguments) in COMMANDS.items():
-        command = commands.add_parser(name, help=text, description=text)
-        command.add_argument("db", metavar="DB", help="the database file")
-        for argument in arguments:
-            command.add_argument(argument, **ARGUMENTS[argument])
-    return parser
-
-
-def _issued_at(args):
-    return args.now if args.issued_at is None else args.issued_at
-
-
-def _wait_for_go():
-    """READY/GO (第七篇 §6): say READY, then block until the parent writes GO on stdin."""
-    sys.stdout.buffer.write(b"READY\n")
-    sys.stdout.buffer.flush()
-    line = sys.stdin.buffer.readline().decode("utf-8").strip()
-    if line != "GO":
-        raise ValueError(f"expected GO on stdin, got {line!r}")
-
-
-# twin: what stops a command at the command line, as Ctrl-C does (SIGHUP: where the
-# system has it); STOPS, _stop_on_signals and _interrupted are identical in both modules.
-STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
-              if hasattr(signal, name))
-
-
-def _stop_on_signals():
-    """At the command line only (the driver forks main() without it): each of STOPS raises
-    KeyboardInterrupt once, the next ones ignored, so the command's cleanup runs to its end and
-    main() says one line.  SIGINT stops it even where a background start ignores it; a SIGTERM
-    or SIGHUP that is ignored (nohup) stays ignored."""
-    def stop(number, frame):
-        for each in STOPS:
-            signal.signal(each, signal.SIG_IGN)
-        raise KeyboardInterrupt
-    for number in STOPS:
-        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, stop)
-
-
-def _interrupted(name):
-    """Say ``name: interrupted`` on stderr where it still can be (a terminal that hung up cannot
-    take it); the exit status of an interrupt."""
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(f"{name}: interrupted\n")
-        sys.stderr.flush()
-    return 130
-
-
-if __name__ == "__main__":
-    _stop_on_signals()
-    status = main()
-    # Said and done: a stop now changes nothing.
-    for number in STOPS:
-        signal.signal(number, signal.SIG_IGN)
-    sys.exit(status)

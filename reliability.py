@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 __all__ = ["enqueue", "transaction", "receive", "dispatch", "deliver", "call_tool", "claim",
            "acknowledge", "external_create_ticket", "lookup_external", "reconcile", "resolve",
-           "purge", "connect", "init", "snapshot", "wal_reset_bug", "Conflict", "Expired",
+           "purge", "connect", "init", "snapshot", "serve", "tool_child", "Conflict", "Expired",
            "CorruptRecord"]
 
 # 第一篇 §5: a claim at tick t may be taken over at tick t + 10.
@@ -54,28 +54,8 @@ MAX_TICK = 2 ** 62
 # twin: seconds BEGIN IMMEDIATE waits for another writer before "database is locked".
 BUSY_TIMEOUT = 10.0
 
-# 第一篇 §4: the named crash boundaries, in the order a request meets them, and the process
-# that owns each.  At the one its CLI names, a process calls os._exit(CRASH_EXIT).
+# 第一篇 §4: a process armed at a named boundary (a crash_point line) exits with this code there.
 CRASH_EXIT = 73
-BOUNDARIES = {
-    # Intent and outbox row written, no COMMIT; then committed, the caller never told.
-    "before_intent_commit": "enqueue",
-    "after_intent_commit": "enqueue",
-    # The claim committed, the tool not called.
-    "after_claim": "dispatch",
-    # Ticket and receipt written, no COMMIT; committed, nothing replied; the reply flushed.
-    "before_receiver_commit": "receiver",
-    "after_receiver_commit": "receiver",
-    "after_response_write": "receiver",
-    # The reply read, not yet recorded; done committed.
-    "after_response_before_ack": "dispatch",
-    "after_ack": "dispatch",
-    # The external tool about to write; written, nothing replied.
-    "before_external_effect": "external",
-    "after_external_effect": "external",
-    # The UNSAFE baseline: done recorded, nothing sent.
-    "after_mark_before_send": "unsafe-dispatch-mark-before",
-}
 
 SENDER, RECEIVER, EXTERNAL = "sender.db", "receiver.db", "external.db"
 # PRAGMA application_id of each kind of file, and PRAGMA user_version of this schema.
@@ -297,7 +277,8 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
     """第一篇 §4: run the row's tool in a child and return its Reply.
 
     Request and reply cross the pipes as UTF-8 bytes whatever the locale.  ``start(argv)``
-    launches ``reliability.py argv...`` with piped stdin and stdout (default: start_child);
+    launches ``reliability.py argv...`` (the tool, its database, the boundary this process is
+    armed at) with piped stdin and stdout (default: start_child);
     ``on_start(pid)`` runs before the request is sent, and if it returns False the child is
     killed unasked.  A child that outlives ``timeout`` is killed and reaped.
     """
@@ -308,7 +289,8 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
     request = _dumps({"caller": row["caller"], "key": row["key"], "payload": row["payload"],
                       "issued_at": row["issued_at"], "now": row["now"]}).encode("utf-8") + b"\n"
     database = os.path.join(root, EXTERNAL if tool == "external" else RECEIVER)
-    child = (start or start_child)(["serve", tool, database])
+    # A process armed at a boundary passes it on to the tool process it starts.
+    child = (start or start_child)([tool, database] + ([CRASH_AT] if CRASH_AT else []))
     reply = Reply(None, None, False)
     try:
         if on_start is None or on_start(child.pid):
@@ -985,44 +967,6 @@ def _create(path, application_id, schema, fill=None):
             connection.close()
 
 
-def wal_reset_bug(version=None):
-    """True if this SQLite (default: the linked one) has the WAL-reset race.
-
-    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
-    3.44.6), can corrupt a WAL database or lose commits when several connections write and
-    checkpoint: exactly the use these modules teach.
-    """
-    version = tuple(version or sqlite3.sqlite_version_info)
-    if not (3, 7, 0) <= version < (3, 51, 3):
-        return False
-    return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
-
-
-def _text(value):
-    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
-    as (a C locale hands non-ASCII bytes over as surrogates); paths are left as the locale
-    gives them."""
-    try:
-        return os.fsencode(value).decode("utf-8")
-    except UnicodeError:
-        # Not bytes of UTF-8 text: left as it came, and refused where it is checked.
-        return value
-
-
-def _json_argument(text, what):
-    try:
-        return json.loads(text, object_pairs_hook=_no_repeats)
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-    except ValueError as error:
-        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
-
-
-def _no_repeats(pairs):
-    if len({key for key, _ in pairs}) != len(pairs):
-        raise ValueError("it repeats a key")
-    return dict(pairs)
-
 
 # --- DELIBERATELY UNSAFE baselines: the experiments' counterexamples, never called above ----
 
@@ -1061,13 +1005,18 @@ def unsafe_delete_receipts(connection, before_tick):
 
 def unsafe_retry_unknown(connection, root, caller, key, *, start=None, timeout=CHILD_TIMEOUT):
     """UNSAFE (第一篇 §6): calls the external tool again for an unknown row, ignoring the policy."""
-    return call_tool(root, _claimed_row(connection, caller, key, 0, None), start=start,
-                     timeout=timeout)
+    mode, digest, text, issued_at = connection.execute(
+        "SELECT mode, digest, payload, issued_at FROM requests WHERE caller = ? AND key = ?",
+        (caller, key)).fetchone()
+    row = {"caller": caller, "key": key, "attempt": 0, "mode": mode, "digest": digest,
+           "payload": json.loads(text), "issued_at": issued_at, "now": issued_at}
+    return call_tool(root, row, start=start, timeout=timeout)
 
 
 # --- crash boundaries (第一篇 §4) -----------------------------------------------------------
 
-# The boundary at which this process dies; set only by a child's CLI (--crash).
+# The boundary at which this process dies, or None: set by whoever arms the process (the
+# experiment's driver; in a tool child, the boundary its sender passed on).
 CRASH_AT = None
 
 
@@ -1078,305 +1027,67 @@ def crash_point(name):
         os._exit(CRASH_EXIT)
 
 
-# --- command line: the experiment's child processes, and a reader stepping by hand ----------
+# --- the tool child (第一篇 §4): the one process this module starts --------------------------
 
-def main(argv=None):
-    """reliability.py COMMAND ...: one JSON line on stdout, as UTF-8 bytes whatever the locale,
-    whose "status" says what happened; ``serve`` is a tool child (one request line on stdin,
-    its reply out).  Exit 0 done, 1 refused or failed (one line on stderr), 2 bad usage,
-    CRASH_EXIT at ``--crash BOUNDARY``, 130 interrupted (one line on stderr: Ctrl-C, or SIGTERM
-    or SIGHUP at the command line, a tool child it started killed first); dispatch and deliver
-    pass a tool child's boundary on to the child they start.
-    """
-    global CRASH_AT
-    parser = _parser()
-    args = parser.parse_args(None if argv is None else list(argv))
-    crash = getattr(args, "crash", None)
-    if args.command == "serve" and crash and BOUNDARIES[crash] != TOOLS[args.tool]:
-        parser.error(f"--crash {crash} is not a boundary of the {args.tool} tool")
-    passed_on = args.command != "serve" and BOUNDARIES.get(crash) in TOOLS.values()
-    CRASH_AT = None if passed_on else crash
-    try:
-        return _answer(args, crash, passed_on)
-    except KeyboardInterrupt:
-        # The command's own cleanup has run: a tool child is killed and reaped, files closed.
-        return _interrupted(f"reliability.py {args.command}")
-
-
-def _answer(args, crash, passed_on):
-    """Run the command and print its JSON line; the exit status."""
-    try:
-        answer = COMMANDS[args.command][0](args)
-    except (Conflict, Expired, CorruptRecord, OSError, ValueError, TypeError, KeyError,
-            OverflowError, RecursionError, sqlite3.Error) as error:
-        message = " ".join(str(error).split()) or type(error).__name__
-        sys.stderr.write(f"reliability.py {args.command}: {type(error).__name__}: {message}\n")
+def serve(act, database):
+    """第一篇 §4: a tool child's work: one request line from stdin, ``act(connection, request)``
+    on ``database``, its reply as one JSON line on stdout, UTF-8 bytes whatever the locale.  A
+    refusal for good is a reply too, so that the sender blocks the row at once.  The exit
+    status: 0 answered, 1 no request (the sender went away before asking)."""
+    line = sys.stdin.buffer.readline()
+    if not line:
         return 1
-    # serve: the sender went away, nobody to answer.
-    if answer is None:
-        return 1
-    # Still alive: that boundary was never met (a tool child's, unless it exited CRASH_EXIT).
-    if crash and args.command != "serve" and not (passed_on and
-                                                  answer.get("exit_code") == CRASH_EXIT):
-        answer["not_reached"] = crash
-    try:
-        sys.stdout.buffer.write(_dumps(answer).encode("utf-8") + b"\n")
-        sys.stdout.buffer.flush()
-    except BrokenPipeError:
-        # The reader is gone; the interpreter's exit flush stays quiet too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    # serve's only: the complete reply is already in the pipe.
+    request = json.loads(line.decode("utf-8"))
+    with contextlib.closing(connect(database)) as connection:
+        try:
+            reply = act(connection, request)
+        except (Conflict, Expired, CorruptRecord) as error:
+            refusal = {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt")
+            reply = {"error": refusal, "message": str(error)}
+    sys.stdout.buffer.write(_dumps(reply).encode("utf-8") + b"\n")
+    sys.stdout.buffer.flush()
+    # The complete reply is in the pipe.
     crash_point("after_response_write")
     return 0
 
 
-def _init(args):
-    init(args.root)
-    return {"status": "initialised", "databases": list(KINDS)}
+# Each tool a child serves, as act(connection, request).
+TOOLS = {"receive": lambda c, r: receive(c, r["caller"], r["key"], r["payload"],
+                                         issued_at=r["issued_at"], now=r["now"]),
+         "external": lambda c, r: external_create_ticket(c, r["caller"], r["key"], r["payload"])}
 
 
-def _enqueue(args):
-    payload = _json_argument(args.payload, "PAYLOAD")
-    with _opened(args.root, SENDER) as (sender,):
-        status = enqueue(sender, args.caller, args.key, payload, now=args.now, mode=args.mode)
-    return {"status": status, "caller": args.caller, "key": args.key, "mode": args.mode}
-
-
-def _claim(args):
-    with _opened(args.root, SENDER) as (sender,):
-        if args.wait:
-            _wait_for_go()
-        row = claim(sender, args.now)
-    return {"status": "nothing due", "now": args.now} if row is None else dict(row,
-                                                                               status="claimed")
-
-
-def _dispatch(args):
-    with _opened(args.root, SENDER) as (sender,):
-        return _told(dispatch(sender, args.root, args.now, start=_launcher(args.crash)),
-                     args.now)
-
-
-def _deliver(args):
-    if args.attempt < 1:
-        raise ValueError(f"attempt {args.attempt} was never claimed: attempts count from 1")
-    with _opened(args.root, SENDER) as (sender,):
-        row = _claimed_row(sender, args.caller, args.key, args.attempt, args.now)
-        return _told(deliver(sender, args.root, row, start=_launcher(args.crash)))
-
-
-def _serve(args):
-    line = sys.stdin.buffer.readline()
-    # The sender went away before asking: nothing to answer, nothing to say.
-    if not line:
-        return None
-    request = json.loads(line.decode("utf-8"))
-    caller, key, payload = request["caller"], request["key"], request["payload"]
-    with contextlib.closing(connect(args.db)) as connection:
-        if args.wait:
-            _wait_for_go()
-        try:
-            if args.tool == "receive":
-                return receive(connection, caller, key, payload,
-                               issued_at=request["issued_at"], now=request["now"])
-            act = (external_create_ticket if args.tool == "external"
-                   else unsafe_receive_without_receipt)
-            return act(connection, caller, key, payload)
-        except (Conflict, Expired, CorruptRecord) as error:
-            # Refusals for good: the sender blocks the row at once.
-            refusal = {Conflict: "conflict", Expired: "expired"}.get(type(error), "corrupt")
-            return {"error": refusal, "message": str(error)}
-
-
-def _snapshot(args):
-    with _opened(args.root, *KINDS) as connections:
-        return {name[:-3]: snapshot(c) for name, c in zip(KINDS, connections)}
-
-
-def _reconcile(args):
-    with _opened(args.root, SENDER, EXTERNAL) as (sender, tool):
-        return reconcile(sender, tool, args.caller, args.key, args.now)
-
-
-def _resolve(args):
-    evidence = None if args.evidence is None else _json_argument(args.evidence, "--evidence")
-    with _opened(args.root, SENDER) as (sender,):
-        return resolve(sender, args.caller, args.key, args.decision, attempt=args.attempt,
-                       by=args.by, why=args.why, evidence=evidence)
-
-
-def _purge(args):
-    with _opened(args.root, RECEIVER) as (receiver,):
-        return dict(purge(receiver, args.now, args.window), status="purged")
-
-
-def _unsafe_dispatch(args):
-    with _opened(args.root, SENDER) as (sender,):
-        return _told(unsafe_dispatch_mark_before(sender, args.root, args.now,
-                                                 start=_launcher(args.crash)), args.now)
-
-
-# serve TOOL: the process that owns the tool's crash boundaries.
-TOOLS = {"receive": "receiver", "external": "external", "unsafe-receive": "receiver"}
-SERVED = tuple(b for b, owner in BOUNDARIES.items() if owner in ("receiver", "external"))
-DELIVERED = tuple(b for b, owner in BOUNDARIES.items() if owner == "dispatch") + SERVED
-# Each command: its function, what it does, its arguments, the boundaries its --crash takes.
-COMMANDS = {
-    "init": (_init, "create the three databases in ROOT", ("root",), ()),
-    "enqueue": (_enqueue, "write an intent and its outbox row (第一篇 §2)",
-                ("root", "caller", "key", "payload", "--now", "--mode"),
-                ("before_intent_commit", "after_intent_commit")),
-    "claim": (_claim, "claim the oldest due row: attempt + 1, leased for 10 ticks (§5)",
-              ("root", "--now", "--wait"), ()),
-    "dispatch": (_dispatch, "claim a due row and call its tool in a child process (§4-§6)",
-                 ("root", "--now"), DELIVERED),
-    "deliver": (_deliver, "call the tool for a row claimed earlier, under that attempt",
-                ("root", "caller", "key", "--attempt", "--now"),
-                tuple(b for b in DELIVERED if b != "after_claim")),
-    "serve": (_serve, "a tool child: answer one request line on stdin",
-              ("tool", "db", "--wait"), SERVED),
-    "snapshot": (_snapshot, "print what the three databases hold, parked rows with why",
-                 ("root",), ()),
-    "reconcile": (_reconcile, "settle an unknown row from the external tool's own records",
-                  ("root", "caller", "key", "--now"), ()),
-    "resolve": (_resolve, "record a person's decision on an unknown or blocked row",
-                ("root", "caller", "key", "decision", "--attempt", "--by", "--why", "--evidence"),
-                ()),
-    "purge": (_purge, "delete receipts older than T - W and raise the low-water mark",
-              ("root", "--now", "--window"), ()),
-    "unsafe-dispatch-mark-before": (_unsafe_dispatch, "UNSAFE baseline: record done, then send",
-                                    ("root", "--now"), ("after_mark_before_send",)),
-}
-ARGUMENTS = {
-    "root": {"metavar": "ROOT", "help": "the folder of sender.db, receiver.db and external.db"},
-    "caller": {"type": _text, "help": "who asks (the caller of the request ID)"},
-    "key": {"type": _text, "help": "the request ID, stable for one intent"},
-    "payload": {"type": _text, "help": "the intent's parameters, a JSON object"},
-    "tool": {"choices": TOOLS, "help": "which tool"},
-    "db": {"help": "its database file"},
-    "decision": {"choices": ("done", "retry", "abandon"), "help": "what the person decided"},
-    "--now": {"type": int, "required": True, "metavar": "T",
-              "help": "the logical tick it happens at"},
-    "--mode": {"choices": MODES, "default": "idempotent",
-               "help": "the receiver with receipts, or a tool without (§6)"},
-    "--wait": {"action": "store_true",
-               "help": "print READY, then wait for GO on stdin (racers start together)"},
-    "--attempt": {"type": int, "required": True, "metavar": "N",
-                  "help": "the attempt number: the one the claim gave, or for resolve the"
-                  " row's attempt the person looked at (snapshot shows it)"},
-    "--by": {"type": _text, "required": True, "help": "who decides"},
-    "--why": {"type": _text, "required": True, "help": "the reason, kept in the audit row"},
-    "--evidence": {"type": _text, "help": "for done: the tool's response, a JSON object with"
-                   " exactly caller, key, digest and ticket_id (snapshot lists the external"
-                   " tool's tickets in that form)"},
-    "--window": {"type": int, "required": True, "metavar": "W",
-                 "help": "ticks of receipts to keep"},
-}
-
-
-def _parser():
-    import argparse
-    parser = argparse.ArgumentParser(
-        prog="reliability.py", description=__doc__.split("\n")[0],
-        epilog=f"exit status: 0 done, 1 refused or failed, 2 bad usage, {CRASH_EXIT} at --crash,"
-        " 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (_, text, arguments, boundaries) in COMMANDS.items():
-        command = commands.add_parser(name, help=text, description=text)
-        for argument in arguments:
-            command.add_argument(argument, **ARGUMENTS[argument])
-        if boundaries:
-            command.add_argument("--crash", choices=boundaries, metavar="BOUNDARY",
-                                 help=f"exit {CRASH_EXIT} at that boundary:"
-                                 f" {', '.join(boundaries)}")
-    return parser
-
-
-@contextlib.contextmanager
-def _opened(root, *names):
-    """The named databases under ``root``, open for the with block."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(contextlib.closing(connect(os.path.join(root, name))))
-               for name in names]
-
-
-def _told(result, now=None):
-    """deliver()'s summary, or "nothing due"."""
-    return {"status": "nothing due", "now": now} if result is None else result
-
-
-def _launcher(crash):
-    """call_tool's launcher for a command given --crash: the tool child dies there if its tool
-    owns that boundary (None: the default launcher)."""
-    if BOUNDARIES.get(crash) not in TOOLS.values():
-        return None
-    return lambda argv: start_child(argv + (["--crash", crash]
-                                            if BOUNDARIES[crash] == TOOLS[argv[1]] else []))
-
-
-def _wait_for_go():
-    """READY/GO: say READY, then block until the parent writes GO on stdin."""
-    sys.stdout.buffer.write(b"READY\n")
-    sys.stdout.buffer.flush()
-    line = sys.stdin.buffer.readline().decode("utf-8").strip()
-    if line != "GO":
-        raise ValueError(f"expected GO on stdin, got {line!r}")
-
-
-def _claimed_row(connection, caller, key, attempt, now):
-    """The row claim() gave ``attempt`` of (caller, key) at tick ``now`` (default: its issue
-    tick), rebuilt from the request, for a late delivery."""
-    row = connection.execute("SELECT r.mode, r.digest, r.payload, r.issued_at, o.attempts"
-                             " FROM requests r JOIN outbox o ON o.caller = r.caller"
-                             " AND o.key = r.key WHERE r.caller = ? AND r.key = ?",
-                             (caller, key)).fetchone()
-    if row is None:
-        raise ValueError(f"no request {caller!r}/{key!r}")
-    mode, digest, text, issued_at, made = row
-    # A late delivery is of an attempt that was claimed (0: the UNSAFE retry of unknown).
-    if not 0 <= attempt <= made:
-        raise ValueError(f"attempt {attempt} of {caller!r}/{key!r} was never claimed")
-    now = issued_at if now is None else now
-    # A tick before the intent was issued fails here, not in the tool child.
-    check_ticks(issued_at, now)
-    return {"caller": caller, "key": key, "attempt": attempt, "mode": mode, "digest": digest,
-            "payload": json.loads(text), "issued_at": issued_at, "now": now}
-
-
-# twin: what stops a command at the command line, as Ctrl-C does (SIGHUP: where the
-# system has it); STOPS, _stop_on_signals and _interrupted are identical in both modules.
-STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
-              if hasattr(signal, name))
-
-
-def _stop_on_signals():
-    """At the command line only (the driver forks main() without it): each of STOPS raises
-    KeyboardInterrupt once, the next ones ignored, so the command's cleanup runs to its end and
-    main() says one line.  SIGINT stops it even where a background start ignores it; a SIGTERM
-    or SIGHUP that is ignored (nohup) stays ignored."""
-    def stop(number, frame):
-        for each in STOPS:
-            signal.signal(each, signal.SIG_IGN)
-        raise KeyboardInterrupt
-    for number in STOPS:
-        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, stop)
-
-
-def _interrupted(name):
-    """Say ``name: interrupted`` on stderr where it still can be (a terminal that hung up cannot
-    take it); the exit status of an interrupt."""
+def tool_child(argv):
+    """``python3 reliability.py receive|external DATABASE [BOUNDARY]``: serve one request, armed
+    at BOUNDARY.  Exit 0 answered, 1 failed (one line on stderr), 2 bad usage, CRASH_EXIT at
+    the boundary, 130 stopped (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)."""
+    global CRASH_AT
+    if len(argv) not in (2, 3) or argv[0] not in TOOLS:
+        sys.stderr.write("usage: python3 reliability.py receive|external DATABASE [BOUNDARY]\n")
+        return 2
+    CRASH_AT = argv[2] if len(argv) == 3 else None
+    try:
+        return serve(TOOLS[argv[0]], argv[1])
+    except BrokenPipeError:
+        # The sender went away before it read the reply: nobody to tell.
+        said = None
+    except KeyboardInterrupt:
+        said = "interrupted"
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, sqlite3.Error) as error:
+        said = f"{type(error).__name__}: " + (" ".join(str(error).split()) or "failed")
+    # A reply that broke off stays unsaid: the exit's own flush too.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(f"{name}: interrupted\n")
-        sys.stderr.flush()
-    return 130
+        if said:
+            sys.stderr.write(f"reliability.py {argv[0]}: {said}\n")
+    return 130 if said == "interrupted" else 1
 
 
 if __name__ == "__main__":
-    _stop_on_signals()
-    status = main()
-    # Said and done: a stop now changes nothing.
-    for number in STOPS:
-        signal.signal(number, signal.SIG_IGN)
-    sys.exit(status)
+    # At the command line each stop is Ctrl-C's, SIGINT even where a background start ignores
+    # it; a SIGTERM or SIGHUP that is ignored (nohup) stays ignored.
+    for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        _number = getattr(signal, _name, None)
+        if _number and (_name == "SIGINT" or signal.getsignal(_number) is not signal.SIG_IGN):
+            signal.signal(_number, signal.default_int_handler)
+    sys.exit(tool_child(sys.argv[1:]))

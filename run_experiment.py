@@ -31,6 +31,7 @@ if sys.version_info < (3, 9):
 import argparse
 import contextlib
 import errno
+import inspect
 import json
 import os
 import random
@@ -44,7 +45,9 @@ import threading
 import time
 import traceback
 
+# The modules beside this script, also where ``python3 -I`` leaves its folder off the path.
 # Article 1's download has only reliability.py, article 7's only preconditions.py.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
     import reliability
 except ModuleNotFoundError:
@@ -60,16 +63,32 @@ RESULTS = os.path.join(HERE, "results.json")
 WATCHDOG = 60.0
 # Worker processes sharing the scenarios: they mostly wait on children and fsync.
 JOBS = 3
-# Children forked (a few ms) rather than fresh interpreters (about 30 ms); --exec: fresh ones.
-USE_FORK = hasattr(os, "fork")
 # The write end of a pipe every process of a run's workers holds, and no other: its read end
 # sees EOF once each of them has ended (see collect).  None outside a run with workers.
 LIFELINE = None
 # What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
 STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
-# The modules a child runs, by file name; None where this download lacks one.
+# The modules here, by file name; None where this download lacks one.
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
+# The crash matrix.  Each named boundary of reliability.py (a crash_point line, in the order a
+# request meets them): the process that meets it, and the deliveries it is crashed in.  A test
+# keeps it equal to the module's crash_point lines.
+BOUNDARIES = {
+    "before_intent_commit": ("enqueue", ("idempotent", "external")),
+    "after_intent_commit": ("enqueue", ("idempotent", "external")),
+    "after_claim": ("dispatch", ("idempotent", "external")),
+    "before_receiver_commit": ("receiver", ("idempotent", "naive")),
+    "after_receiver_commit": ("receiver", ("idempotent", "naive")),
+    "after_response_write": ("receiver", ("idempotent", "naive")),
+    "after_response_before_ack": ("dispatch", ("idempotent", "external")),
+    "after_ack": ("dispatch", ("idempotent", "external")),
+    "before_external_effect": ("external", ("external",)),
+    "after_external_effect": ("external", ("external",)),
+    "after_mark_before_send": ("unsafe_dispatch_mark_before", ("mark_before",)),
+}
+# preconditions.py's, with the exit code of each (第七篇 §6).
+EXIT_CODES = preconditions.EXIT_CODES if preconditions is not None else {}
 CALLER, KEY = "agent", "ticket-1"
 PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service is called."}
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
@@ -129,7 +148,7 @@ def naive_lost_ack(run):
           " created", cell=("after_mark_before_send", "mark_before"))
 def mark_before_send_loses_task(run):
     enqueue(run, "mark_before")
-    observe(run, "after_crash", sender_child(run, "unsafe-dispatch-mark-before", "--now", 0,
+    observe(run, "after_crash", sender_child(run, "unsafe_dispatch_mark_before", 0,
                                              crash="after_mark_before_send"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("sender state and tickets", pick(final, "sender_state", "receiver_tickets"),
@@ -161,7 +180,7 @@ def after_intent_commit(run):
           cell=("after_claim", "idempotent"))
 def after_claim(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+    first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
                                                      crash="after_claim"))
     early = observe(run, "before_lease_expiry", dispatch(run, 9, lane="recovery"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
@@ -196,7 +215,7 @@ def after_response_write(run):
           " it again", cell=("after_response_before_ack", "idempotent"))
 def after_response_before_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+    first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
                                                      crash="after_response_before_ack"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     run.expect("ticket committed, not recorded", pick(first, "sender_state", "receiver_tickets"),
@@ -209,7 +228,7 @@ def after_response_before_ack(run):
           cell=("after_ack", "idempotent"))
 def after_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", "--now", 0,
+    first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
                                                      crash="after_ack"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("done before the crash", first["sender_state"], "done")
@@ -240,10 +259,10 @@ def mismatched_payload(run):
 @scenario("article_1", "8 processes race to claim; a stale attempt's acknowledgement is refused")
 def concurrent_claim(run):
     enqueue(run)
-    claimers = [("reliability.py", "claim", run.root, "--now", 0, "--wait")] * 8
-    with batch(run, claimers) as children:
+    with watched(run) as children:
+        children += [spawn_json(run, claimer, run.root, 0) for _ in range(8)]
         released, claims = race(children)
-    winners = [line for line in claims if line["status"] == "claimed"]
+    winners = [row for row in claims if row is not None]
     run.inject("8 claimer processes released together, a late ack from attempt 1")
     run.log("sender", f"8 claimer processes at tick 0: {len(winners)} won attempt "
             f"{[w['attempt'] for w in winners]}")
@@ -252,8 +271,14 @@ def concurrent_claim(run):
     with _connections(run, reliability.SENDER) as (connection,):
         current = reliability.claim(connection, 11)
     run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
-    code, stale = run_child(run, "reliability.py", "deliver", run.root, CALLER, KEY,
-                            "--attempt", 1, "--now", 11)
+    launch = tool_launcher(run)
+    try:
+        with _connections(run, reliability.SENDER) as (connection,):
+            stale = reliability.deliver(connection, run.root, dict(winners[0], now=11),
+                                        start=launch)
+    finally:
+        heard(launch.started, "child")
+    code = stale["exit_code"]
     refused = "accepted" if stale["acknowledged"] else "refused"
     run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement"
             f" {refused}")
@@ -285,7 +310,8 @@ def concurrent_receiver(run):
                           "now": 0})
     database = os.path.join(run.root, reliability.RECEIVER)
     observe(run, "before_race")
-    with batch(run, [("reliability.py", "serve", "receive", database, "--wait")] * 8) as children:
+    with watched(run) as children:
+        children += [spawn(run, racing_receiver, database) for _ in range(8)]
         released, answers = race(children, request)
     responses = {json.dumps(answer, sort_keys=True) for answer in answers}
     run.log("child", f"8 receiver processes answered with {len(responses)} distinct response(s)")
@@ -350,9 +376,8 @@ def enqueue_crash(run, boundary, kept, retry):
     """enqueue dies at ``boundary``; ``kept`` is (sender state, intent rows) after it, ``retry``
     the retry's answer; then a new process retries enqueue with the same key, as the upstream
     caller would, and delivers."""
-    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY,
-                                                     json.dumps(PAYLOAD), "--now", 0,
-                                                     crash=boundary))
+    first = observe(run, "after_crash", sender_child(run, "enqueue", CALLER, KEY, PAYLOAD, 0,
+                                                     "idempotent", crash=boundary))
     run.expect("what the crash kept", pick(first, "sender_state", "intent_rows"), kept)
     status = enqueue(run, lane="recovery")
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
@@ -449,11 +474,11 @@ def dispatch(run, now, crash=None, lane="sender"):
     return [result["exit_code"]]
 
 
-def sender_child(run, *args, crash):
-    """A sender that dies for real: the module's own CLI in a child process, --crash at a
-    boundary."""
-    code, _ = run_child(run, "reliability.py", args[0], run.root, *args[1:], "--crash", crash)
-    run.log("sender", f"sender process ran {args[0]} to {crash} and exited {code}")
+def sender_child(run, act, *args, crash):
+    """A sender that dies for real: reliability's ``act`` in a child process armed at
+    ``crash``."""
+    code, _ = run_child(run, send, run.root, act, *args, crash=crash)
+    run.log("sender", f"sender process ran {act} to {crash} and exited {code}")
     run.inject(f"{crash} (exit {code})")
     return [code]
 
@@ -556,8 +581,7 @@ def late_replay(run, purge):
           " applied")
 def unsafe_check_then_act(run):
     transfer_start(run)
-    ready, code, result = paused_child(run, "unsafe-check-then-act", run.db, "job-1",
-                                       json.dumps(PLAN))
+    ready, code, result = paused_child(run, unsafe=True)
     final = transfer_state(run, "after_go", status=result["status"], exit_code=code)
     run.expect("handshake", ready, "READY")
     run.expect("the bug", (final["quantities"], final["effects"]), ({"A": 7, "B": 5}, 1))
@@ -566,8 +590,7 @@ def unsafe_check_then_act(run):
 @scenario("article_7", "the same interleaving against the safe entry: stale, nothing moved")
 def safe_stale_rejected(run):
     transfer_start(run)
-    ready, code, result = paused_child(run, "execute", run.db, "job-1", json.dumps(PLAN), "--now",
-                                       0, "--wait")
+    ready, code, result = paused_child(run)
     final = transfer_state(run, "after_go", status=result["status"],
                            observed=result.get("observed"), exit_code=code)
     run.expect("handshake", ready, "READY")
@@ -628,13 +651,11 @@ def crash_points(run):
         # A fresh database per boundary.
         run.db = os.path.join(run.dir, boundary + ".db")
         transfer_start(run)
-        code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
-                            "--now", 0, "--crash", boundary)
+        code, _ = run_child(run, executor, run.db, "job-1", PLAN, crash=boundary)
         run.log("executor", f"child ran to {boundary} and exited {code}")
         run.inject(f"{boundary} (exit {code})")
         crashed = transfer_state(run, f"{boundary}.after_crash", exit_code=code)
-        retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
-                                      json.dumps(PLAN), "--now", 0)
+        retry_code, retry = run_child(run, executor, run.db, "job-1", PLAN)
         run.log("retry", f"new process retries job-1: {retry['status']}")
         final = transfer_state(run, f"{boundary}.after_retry", status=retry["status"],
                                exit_code=retry_code)
@@ -653,13 +674,11 @@ def crash_points(run):
 def stale_rejection_durable(run):
     transfer_start(run)
     change(run, "B", 2)
-    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
-                        "--now", 0, "--crash", "after_commit")
+    code, _ = run_child(run, executor, run.db, "job-1", PLAN, crash="after_commit")
     run.log("executor", f"child stored its stale rejection and exited {code}")
     run.inject(f"after_commit (exit {code})")
     transfer_state(run, "after_crash", exit_code=code)
-    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
-                                  json.dumps(PLAN), "--now", 0)
+    retry_code, retry = run_child(run, executor, run.db, "job-1", PLAN)
     stored = retry.get("result", {}).get("status")
     run.log("retry", f"new process retries job-1: {retry['status']} {stored}")
     final = transfer_state(run, "after_retry", status=retry["status"], stored_status=stored,
@@ -775,9 +794,11 @@ def change(run, name, delta, lane="parent", inject=True):
     return result
 
 
-def paused_child(run, *args):
+def paused_child(run, unsafe=False):
     """READY/GO over pipes: the child stops where it says READY until the parent has written."""
-    with batch(run, [("preconditions.py", *args)]) as (child,):
+    with watched(run) as children:
+        children.append(spawn_json(run, executor, run.db, "job-1", PLAN, True, unsafe))
+        child = children[0]
         ready = child.readline().strip()
         run.log("executor", f"child says {ready}")
         run.inject("B +2 between READY and GO")
@@ -819,8 +840,7 @@ def race_in_threads(db, ops):
 def threaded(run, ops):
     """The race in threads, run in a process of its own where fork is used: a process that has
     had threads must not fork again (Python 3.12 warns, and rightly)."""
-    race = (run_forked(race_in_threads, run.db, ops) if USE_FORK
-            else race_in_threads(run.db, ops))
+    race = run_forked(race_in_threads, run.db, ops)
     run.log("parent", f"8 threads released together ({race['released_together']} at the"
             f" barrier), {len(ops)} submissions: {race['statuses']}")
     run.inject(f"8 threads released together, {len(ops)} submissions")
@@ -830,22 +850,12 @@ def threaded(run, ops):
 
 # --- the crash matrix: every boundary of both modules, every mode it applies to ---------------
 
-def matrix_modes(boundary):
-    """The deliveries in which a reliability.py boundary is reached, from the process that owns
-    it: the idempotent receiver and the external tool, and the UNSAFE baselines where they own
-    it."""
-    return {"enqueue": ("idempotent", "external"), "dispatch": ("idempotent", "external"),
-            "receiver": ("idempotent", "naive"), "external": ("external",),
-            "unsafe-dispatch-mark-before": ("mark_before",)}[reliability.BOUNDARIES[boundary]]
-
-
 def delivery_cell(run, boundary, mode):
     """Crash at ``boundary`` in a real process, recover from this one at tick 11, observe."""
     fresh_root(run, os.path.join(run.dir, mode))
-    owner = reliability.BOUNDARIES[boundary]
+    owner = BOUNDARIES[boundary][0]
     if owner == "enqueue":
-        codes = sender_child(run, "enqueue", CALLER, KEY, json.dumps(PAYLOAD), "--now", 0,
-                             "--mode", mode, crash=boundary)
+        codes = sender_child(run, "enqueue", CALLER, KEY, PAYLOAD, 0, mode, crash=boundary)
         # The upstream caller retries with the same key.
         enqueue(run, mode, lane="recovery")
     else:
@@ -853,7 +863,7 @@ def delivery_cell(run, boundary, mode):
         if owner in ("receiver", "external"):
             codes = dispatch(run, 0, boundary)
         else:
-            codes = sender_child(run, owner, "--now", 0, crash=boundary)
+            codes = sender_child(run, owner, 0, crash=boundary)
     dispatch(run, 11, lane="recovery")
     run.stages[mode] = as_cell(mode, codes, observe(run, f"{mode}", codes))
     expect_cell(run, mode, run.stages[mode])
@@ -889,11 +899,9 @@ def transfer_cell(run, boundary, kind):
     transfer_start(run)
     if kind == "stale":
         change(run, "B", 2)
-    code, _ = run_child(run, "preconditions.py", "execute", run.db, "job-1", json.dumps(PLAN),
-                        "--now", 0, "--crash", boundary)
+    code, _ = run_child(run, executor, run.db, "job-1", PLAN, crash=boundary)
     crashed = transfer_state(run, f"{kind}.crashed")
-    retry_code, retry = run_child(run, "preconditions.py", "execute", run.db, "job-1",
-                                  json.dumps(PLAN), "--now", 0)
+    retry_code, retry = run_child(run, executor, run.db, "job-1", PLAN)
     stored = retry.get("result", retry)["status"]
     final = transfer_state(run, f"{kind}.retried")
     del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
@@ -917,14 +925,14 @@ def _matrix_scenario(function, boundary, variants):
     return cells
 
 
-for _boundary in (reliability.BOUNDARIES if reliability is not None else ()):
+for _boundary in (BOUNDARIES if reliability is not None else ()):
     # A cell an article scenario already is comes from that run (see merge_cells), not a
     # second one.
-    _modes = [mode for mode in matrix_modes(_boundary) if (_boundary, mode) not in COVERS]
+    _modes = [mode for mode in BOUNDARIES[_boundary][1] if (_boundary, mode) not in COVERS]
     SCENARIOS[f"reliability/{_boundary}"] = (
-        "crash_matrix", f"crash at {_boundary}: " + ", ".join(matrix_modes(_boundary)),
+        "crash_matrix", f"crash at {_boundary}: " + ", ".join(BOUNDARIES[_boundary][1]),
         _matrix_scenario(delivery_cell, _boundary, _modes))
-for _boundary in (preconditions.EXIT_CODES if preconditions is not None else ()):
+for _boundary in EXIT_CODES:
     # Only the commit of a stored rejection passes after_commit on the stale path.
     _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
     SCENARIOS[f"preconditions/{_boundary}"] = (
@@ -950,7 +958,7 @@ def merge_cells(runs):
         row.log("matrix", f"{mode} cell from scenario {name}")
     for run in runs:
         if run.name.startswith("reliability/"):
-            order = matrix_modes(run.name.split("/", 1)[1])
+            order = BOUNDARIES[run.name.split("/", 1)[1]][1]
             run.stages = {mode: run.stages[mode] for mode in order if mode in run.stages}
     return runs
 
@@ -1054,7 +1062,7 @@ def start_all(names, jobs=JOBS):
     try:
         if reliability is not None:
             reliability.init(os.path.join(pending["base"], "template"))
-        if not USE_FORK or jobs < 2 or len(names) < 2:
+        if jobs < 2 or len(names) < 2:
             pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
         else:
             pending["lifeline"], LIFELINE = os.pipe()
@@ -1166,81 +1174,117 @@ def _revive(name, state):
 
 
 # --- processes -------------------------------------------------------------------------------
-# A child is a real process either way.  Where os.fork exists, it is forked from this
-# (single-threaded) driver and runs the module's own CLI entry, main(argv): that costs a few
-# milliseconds instead of a fresh interpreter's 30 or so.  --exec starts every child as a
-# fresh `python3 -I -S module.py ...` instead; the results are the same.
+# Every child is a real process forked from this (single-threaded) driver, a few milliseconds
+# instead of a fresh interpreter's 30 or so: one of the driver's functions below, or the
+# module's own tool child (reliability.tool_child), armed at a boundary or not.
 
-
-def start(module, *args, run=None):
-    """Start ``module`` (a file name in MODULES) with ``args`` as a child with piped stdin and
-    stdout; with ``run``, what it says on stderr goes to a file of that run, for heard()."""
-    args = [str(arg) for arg in args]
-    said = None
-    if run is not None:
+def spawn(run, main, *args):
+    """Fork a child that runs ``main(*args)`` and exits with what it returns; with ``run``, what
+    it says on stderr goes to a file of that run, for heard(), else where this process's goes."""
+    if run is None:
+        child = fork_child(main, args)
+    else:
         run.spawned += 1
         said = os.path.join(run.dir, f"stderr-{run.spawned}")
-    stderr = None if said is None else os.open(said, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        if USE_FORK:
-            child = fork_start(MODULES[module], args, stderr=stderr)
-        else:
-            # Binary pipes: what crosses them is UTF-8 whatever the locale.
-            child = subprocess.Popen([interpreter(), "-I", "-S", os.path.join(HERE, module),
-                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=stderr, pass_fds=[LIFELINE] if LIFELINE else [])
-            child.readline = lambda: child.stdout.readline().decode("utf-8").rstrip("\n")
-            child.send = lambda text: (child.stdin.write(text.encode("utf-8")),
-                                       child.stdin.flush())
-    finally:
-        if stderr is not None:
+        stderr = os.open(said, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            child = fork_child(main, args, stderr=stderr)
+        finally:
             # The child has its own copy.
             os.close(stderr)
-    child.run, child.said = run, said
+        child.run, child.said = run, said
     return child
 
 
-def interpreter():
-    """The Python a fresh child runs: sys.executable; where that is empty (python3 found by a
-    shell that exports no PATH, as in ``env -i bash``), this installation's pythonX.Y if the
-    kernel says it is the very program running (Linux /proc).  Otherwise an OSError naming the
-    cause."""
-    if sys.executable and os.access(sys.executable, os.X_OK):
-        return sys.executable
-    mine = os.path.join(sys.exec_prefix, "bin", "python%d.%d" % sys.version_info[:2])
-    # Missing, or /proc hidden: no proof, so no guess.
-    with contextlib.suppress(OSError):
-        if os.path.samefile(mine, "/proc/self/exe"):
-            return mine
-    found = f"{sys.executable!r}, not executable" if sys.executable else "empty"
-    raise FileNotFoundError(errno.ENOENT, "the Python interpreter is unknown (sys.executable is"
-                            f" {found}): run python3 by its full path, or export PATH")
+def spawn_json(run, function, *args, crash=None):
+    """A child of ``run`` that runs ``function(*args)`` armed at ``crash`` and prints what it
+    returns as one JSON line."""
+    return spawn(run, answer, function, args, crash)
 
 
-def start_tool(argv):
-    """The launcher reliability.call_tool uses where no scenario listens (beyond/torture.py)."""
-    return start("reliability.py", *argv)
+def answer(function, args, crash):
+    """In a child: arm the module that holds ``crash``, run ``function(*args)``, print its JSON."""
+    for module, boundaries in ((reliability, BOUNDARIES), (preconditions, EXIT_CODES)):
+        if module is not None and crash in boundaries:
+            module.CRASH_AT = crash
+    print(json.dumps(function(*args), ensure_ascii=False), flush=True)
+    return 0
+
+
+def ready_go():
+    """READY/GO, the child's side of race(): say READY, then wait for GO on stdin."""
+    sys.stdout.buffer.write(b"READY\n")
+    sys.stdout.buffer.flush()
+    line = sys.stdin.buffer.readline().decode("utf-8").strip()
+    if line != "GO":
+        raise ValueError(f"expected GO on stdin, got {line!r}")
 
 
 def tool_launcher(run, crash=None, naive=False):
-    """A launcher for reliability.call_tool whose tool child dies at ``crash`` (its own CLI's
-    --crash), or whose receiver is the UNSAFE one without receipts: the sender's protocol is
-    the same either way.  The children it started are in its ``started``, for heard()."""
+    """A launcher for reliability.call_tool: its tool child (reliability.tool_child) dies at
+    ``crash``, or is the UNSAFE receiver without receipts: the sender's protocol is the same
+    either way.  The children it started are in its ``started``, for heard()."""
     def launch(argv):
-        argv = list(argv)
-        if naive:
-            argv[1] = "unsafe-receive"
-        dies = ["--crash", crash] if crash else []
-        launch.started.append(start("reliability.py", *argv, *dies, run=run))
+        argv = list(argv) + ([crash] if crash else [])
+        launch.started.append(spawn(run, naive_tool_child if naive else reliability.tool_child,
+                                    argv))
         return launch.started[-1]
     launch.started = []
     return launch
 
 
+def naive_tool_child(argv):
+    """The UNSAFE receiver without receipts, served as reliability.tool_child serves its tools."""
+    reliability.CRASH_AT = argv[2] if len(argv) == 3 else None
+    return reliability.serve(lambda c, r: reliability.unsafe_receive_without_receipt(
+        c, r["caller"], r["key"], r["payload"]), argv[1])
+
+
+# The experiment's children.  Each opens its own connections: none is inherited over a fork.
+
+def send(root, act, *args):
+    """A sender: reliability's ``act`` (enqueue, dispatch, unsafe_dispatch_mark_before) on
+    sender.db; a boundary it is armed at goes on to its tool child, as the module passes it."""
+    with contextlib.closing(reliability.connect(os.path.join(root, reliability.SENDER))) as c:
+        if act == "enqueue":
+            return reliability.enqueue(c, *args[:3], now=args[3], mode=args[4])
+        return getattr(reliability, act)(c, root, *args, start=start_tool)
+
+
+def start_tool(argv):
+    """call_tool's ``start``: the module's tool child, forked; it says on stderr what it says
+    where this process's stderr goes."""
+    return spawn(None, reliability.tool_child, list(argv))
+
+
+def claimer(root, now):
+    """A claimer that claims once released by GO: the row, or None."""
+    with contextlib.closing(reliability.connect(os.path.join(root, reliability.SENDER))) as c:
+        ready_go()
+        return reliability.claim(c, now)
+
+
+def racing_receiver(database):
+    """A receiver's tool child that, once it has read its request, waits for GO to receive."""
+    return reliability.serve(lambda c, request: ready_go() or reliability.TOOLS["receive"](
+        c, request), database)
+
+
+def executor(db, op, command, pause=False, unsafe=False):
+    """execute() of ``command`` as ``op``, held at READY/GO before its transaction where
+    ``pause``; or the UNSAFE check-then-act, held between its check and its write."""
+    with contextlib.closing(preconditions.connect(db)) as c:
+        if unsafe:
+            return preconditions.unsafe_check_then_act(c, op, command, pause=ready_go)
+        if pause:
+            ready_go()
+        return preconditions.execute(c, op, command, issued_at=0, now=0)
+
+
 def heard(children, lane="child"):
     """Put what finished children of a run said on stderr (a crash, an error) into its timeline."""
     for child in children:
-        if child.said and os.path.exists(child.said):
+        if child.run is not None and os.path.exists(child.said):
             with open(child.said, encoding="utf-8", errors="replace") as handle:
                 for line in handle.read().splitlines():
                     child.run.log(lane, line)
@@ -1255,13 +1299,11 @@ def reap(children):
 
 
 @contextlib.contextmanager
-def batch(run, commands):
-    """Start a child of ``run`` for each (module, *args); on leaving, whatever happened, any
-    child still running is killed, every one is reaped, and what each said is logged."""
+def watched(run):
+    """A list for the children of ``run`` started in the block: on leaving, whatever happened,
+    any still running is killed, every one is reaped, and what each said is logged."""
     children = []
     try:
-        for command in commands:
-            children.append(start(*command, run=run))
         yield children
     finally:
         reap(children)
@@ -1288,25 +1330,28 @@ def finish(child, stdin_text=None):
     """Wait for a child (killing it at the watchdog); return (exit code, stdout lines)."""
     try:
         output, _ = child.communicate(stdin_text and stdin_text.encode("utf-8"), timeout=WATCHDOG)
-    except subprocess.TimeoutExpired:
+    except TimeoutError:
         reap([child])
         raise RuntimeError(f"child {child.args} hung for {WATCHDOG} s and was killed")
     return child.wait(), output.decode("utf-8").splitlines()
 
 
-def run_child(run, module, *args, stdin_text=None):
-    """Run one child of ``run`` to its end; (exit code, its last stdout line as JSON or None)."""
-    with batch(run, [(module, *args)]) as (child,):
-        code, lines = finish(child, stdin_text)
+def run_child(run, function, *args, crash=None):
+    """Run one child of ``run`` to its end; (exit code, its JSON line or None)."""
+    with watched(run) as children:
+        children.append(spawn_json(run, function, *args, crash=crash))
+        code, lines = finish(children[0])
     return code, json.loads(lines[-1]) if lines else None
 
 
 class ForkedChild:
-    """Just enough of subprocess.Popen for a forked child: readline, communicate, kill, wait."""
+    """Just enough of subprocess.Popen for a forked child: readline, send, communicate, kill,
+    wait."""
 
     def __init__(self, pid, stdin_fd, stdout_fd, args):
         self.pid, self.args, self.returncode = pid, args, None
         self._stdin, self._stdout, self._buffer = stdin_fd, stdout_fd, b""
+        self.run = self.said = None
 
     def _close(self, name):
         fd = getattr(self, name)
@@ -1317,7 +1362,7 @@ class ForkedChild:
     def _read(self, deadline):
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not select.select([self._stdout], [], [], remaining)[0]:
-            raise subprocess.TimeoutExpired(self.args, WATCHDOG)
+            raise TimeoutError(f"{self.args} said nothing for {WATCHDOG} s")
         data = os.read(self._stdout, 65536)
         if not data:
             self._close("_stdout")
@@ -1361,35 +1406,11 @@ class ForkedChild:
         return self.returncode
 
 
-def fork_start(module, argv, keep=(), stderr=None):
-    """Fork a child that runs ``module.main(argv)`` with pipes on its stdin and stdout.
-
-    Call it only while this process holds no SQLite connection to a file the child
-    opens: SQLite's per-process lock bookkeeping must not be copied into a child.
-    Where /proc/self/fd exists that rule is checked, by inode, for the databases argv
-    names (with their -wal and -shm) and the *.db files of a directory it names.
-    ``stderr``, a descriptor, becomes the child's stderr; the child exits as
-    ``sys.exit(module.main(argv))`` in ``python3 module.py argv...`` would.
-    """
-    held = set()
-    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        # The listing's own descriptor is gone already.
-        with contextlib.suppress(OSError):
-            # A file's identity: (inode, device).
-            held.add(os.stat(os.path.join("/proc/self/fd", fd))[1:3])
-    for arg in argv:
-        opened = [arg, arg + "-wal", arg + "-shm"]
-        if os.path.isdir(arg):
-            # Unreadable: the child will say so.
-            with contextlib.suppress(OSError):
-                opened = [os.path.join(arg, name) for name in os.listdir(arg)
-                          if name.endswith((".db", ".db-wal", ".db-shm"))]
-        for path in opened:
-            # Not a file (or not a path at all): nothing held.
-            with contextlib.suppress(OSError, ValueError):
-                if os.stat(path)[1:3] in held:
-                    raise RuntimeError(f"fork_start: this process holds {path} open, and the"
-                                       " child opens it; close that connection before forking")
+def fork_child(main, args, keep=(), stderr=None):
+    """Fork a child that runs ``main(*args)`` with pipes on its stdin and stdout and exits with
+    what it returns; ``stderr``, a descriptor, becomes its stderr.  Call it only while this
+    process holds no SQLite connection to a file the child opens: SQLite's per-process lock
+    bookkeeping must not be copied into a child."""
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
 
@@ -1406,27 +1427,13 @@ def fork_start(module, argv, keep=(), stderr=None):
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-        # A sender child that calls a tool forks that tool child the same way.
-        if reliability is not None:
-            reliability.start_child = start_tool
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-        try:
-            code = module.main(list(argv))
-        # argparse's usage error: exit 2.
-        except SystemExit as exit:
-            code = exit.code
-        if code is None:
-            code = 0
-        # As sys.exit("text"): the text printed, exit 1.
-        elif not isinstance(code, int):
-            sys.stderr.write(f"{code}\n")
-            code = 1
-        return code
+        return main(*args)
     pid = fork(child)
     os.close(stdin_r)
     os.close(stdout_w)
-    return ForkedChild(pid, stdin_w, stdout_r, [module.__name__, *argv])
+    return ForkedChild(pid, stdin_w, stdout_r, [main.__name__, *args])
 
 
 def stop_on_signals():
@@ -1477,6 +1484,9 @@ def fork(child):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
             random.seed()
             code = child()
+        # As sys.exit() would take it.
+        except SystemExit as stop:
+            code = stop.code
         except BaseException:
             traceback.print_exc()
         finally:
@@ -1484,7 +1494,7 @@ def fork(child):
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
-            os._exit(code)
+            os._exit(code if isinstance(code, int) else int(code is not None))
     return pid
 
 
@@ -1600,7 +1610,7 @@ def console_line(run, shown=("✓", "✗", "→")):
 def versions(out):
     """Where this ran, for the reader: on stderr only, never in the results."""
     print(f"Python {sys.version.split()[0]}, SQLite {sqlite3.sqlite_version}", file=out)
-    if (reliability or preconditions).wal_reset_bug():
+    if wal_reset_bug():
         print(f"warning: SQLite {sqlite3.sqlite_version} has the WAL-reset race (3.7.0 to 3.51.2;"
               " fixed in 3.51.3, 3.50.7, 3.44.6). These experiments reproduce anyway, but see"
               " README.md before you run many writers on it in production.", file=out)
@@ -1617,12 +1627,19 @@ def marks(stream=None):
 
 
 def main(argv=None):
-    """The command line; Ctrl-C prints one line and exits 130 (children end quietly)."""
+    """The command line, or a step by hand (step()); Ctrl-C, SIGTERM or SIGHUP print one line
+    and exit 130 (children end quietly)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return _main(argv)
+        if not hasattr(os, "fork"):
+            refuse("its children are forked, and this system has no os.fork")
+        return step(argv) if argv[:1] in (["reliability"], ["preconditions"]) else _main(argv)
     except KeyboardInterrupt:
         print("run_experiment.py: interrupted", file=sys.stderr)
         return 130
+    # A usage error, or --help: its status, also where main() runs in a forked child.
+    except SystemExit as stop:
+        return stop.code
     # Its reader went away (| head): stop quietly, the exit flush too.
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -1671,21 +1688,10 @@ def _main(argv):
     parser.add_argument("--download", nargs=2, metavar=("ARTICLE", "DIR"),
                         help="write article 1's or 7's five files into DIR, its results.json"
                         " holding that article's results alone")
-    parser.add_argument("--exec", action="store_true",
-                        help="start every child as a fresh interpreter instead of forking"
-                        " (slower, same results)")
     args = parser.parse_args(argv)
     _usable(args)
-    global USE_FORK
-    USE_FORK = USE_FORK and not args.exec
     if args.download:
         return download(*args.download)
-    # Fresh children need an interpreter: said once, before any scenario, not once a scenario.
-    if not USE_FORK:
-        try:
-            interpreter()
-        except OSError as error:
-            parser.exit(2, f"run_experiment.py: error: {error.strerror}\n")
     names = list(SCENARIOS)
     missing = [name for name, module in MODULES.items() if module is None]
     for name in (args.only or []) + ([args.explain] if args.explain else []):
@@ -1826,6 +1832,129 @@ def explain(run):
     for failure in run.failures:
         print(f"    invariant failed: {failure}")
     return 1 if run.failures else 0
+
+
+# --- stepping by hand: one call of a module's function, as README.md's walk-throughs do ------
+
+# Parameters given as JSON on the command line, and as ints; the rest are text.
+JSON_PARAMETERS = {"payload", "command", "evidence", "resources", "expected"}
+INT_PARAMETERS = {"now", "issued_at", "attempt", "window", "delta"}
+# Parameters that are connections: the command line names the database file to open.
+CONNECTIONS = {"connection", "c", "tool"}
+
+
+def step(argv):
+    """``run_experiment.py reliability|preconditions FUNCTION ARG... [--NAME VALUE]...``: one
+    call of one of the module's public functions, as the README's walk-throughs step by hand.
+    A connection argument names its database file, opened with the module's connect(); JSON
+    and int parameters are parsed, the rest is text; issued_at defaults to now; --crash
+    BOUNDARY arms the process there, and a tool child's boundary goes on to the tool child.
+    What the function returns is one JSON line on stdout, UTF-8 bytes whatever the locale.
+    Exit 0 done, 1 refused or failed, 2 bad usage (one line on stderr), a crash exit."""
+    name, module = argv[0], MODULES[argv[0] + ".py"]
+    if module is None:
+        refuse(f"{name}.py is not next to this script")
+    if argv[1:2] in ([], ["-h"], ["--help"]) or argv[1] not in module.__all__:
+        functions = [f for f in module.__all__ if callable(getattr(module, f))
+                     and not isinstance(getattr(module, f), type)]
+        asked = argv[1:2] in (["-h"], ["--help"])
+        print(f"usage: run_experiment.py {name} FUNCTION ARG... [--NAME VALUE]...\nFUNCTION: "
+              + ", ".join(functions), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    function = getattr(module, argv[1])
+    parameters = inspect.signature(function).parameters
+    given, keywords, words = [], {}, iter(argv[2:])
+    for word in words:
+        if word.startswith("--") and len(word) > 2:
+            keywords[word[2:].replace("-", "_")] = next(words, None)
+        else:
+            given.append(word)
+    crash = keywords.pop("crash", None)
+    if "issued_at" in parameters and "now" in keywords:
+        keywords.setdefault("issued_at", keywords["now"])
+    with contextlib.ExitStack() as stack:
+        try:
+            bound = inspect.signature(function).bind(*given, **keywords)
+            named = BOUNDARIES if module is reliability else EXIT_CODES
+            if None in keywords.values() or crash not in (None, *named):
+                raise TypeError("each --NAME takes a value, and --crash a named boundary")
+        except TypeError as error:
+            refuse(f"{name} {argv[1]}{signature_of(function)}: {error}")
+        try:
+            for parameter, value in bound.arguments.items():
+                if parameter in CONNECTIONS:
+                    value = stack.enter_context(contextlib.closing(module.connect(value)))
+                elif parameter in JSON_PARAMETERS:
+                    value = json_argument(value, parameter.upper())
+                elif parameter in INT_PARAMETERS:
+                    value = int(value)
+                else:
+                    value = text_argument(value)
+                bound.arguments[parameter] = value
+            module.CRASH_AT = crash
+            said = function(*bound.args, **bound.kwargs)
+        except (OSError, ValueError, TypeError, KeyError, OverflowError, RecursionError,
+                sqlite3.Error, *(getattr(module, error, ValueError)
+                                 for error in ("Conflict", "Expired", "CorruptRecord"))) as error:
+            message = " ".join(str(error).split()) or type(error).__name__
+            print(f"run_experiment.py {name} {argv[1]}: {type(error).__name__}: {message}",
+                  file=sys.stderr)
+            return 1
+    sys.stdout.buffer.write(json.dumps(said, ensure_ascii=False, sort_keys=True,
+                                       separators=(",", ":")).encode("utf-8") + b"\n")
+    # Still alive: that boundary was never met, here or in the tool child it went on to.
+    if crash and not (isinstance(said, dict) and said.get("exit_code") == getattr(
+            module, "CRASH_EXIT", None)):
+        print(f"run_experiment.py {name} {argv[1]}: {crash} was not reached", file=sys.stderr)
+    return 0
+
+
+def signature_of(function):
+    """A function's parameters as the command line takes them: ``C OP COMMAND --now NOW``."""
+    words = []
+    for parameter in inspect.signature(function).parameters.values():
+        word = "FILE" if parameter.name in CONNECTIONS else parameter.name.upper()
+        if parameter.kind is parameter.KEYWORD_ONLY:
+            word = f"--{parameter.name.replace('_', '-')} {word}"
+        words.append(word if parameter.default is parameter.empty else f"[{word}]")
+    return " " + " ".join(words)
+
+
+def text_argument(value):
+    """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
+    as (a C locale hands non-ASCII bytes over as surrogates)."""
+    try:
+        return os.fsencode(value).decode("utf-8")
+    except UnicodeError:
+        # Not bytes of UTF-8 text: left as it came, and refused where it is checked.
+        return value
+
+
+def json_argument(text, what):
+    """A JSON argument; a ValueError where it is not JSON, repeats a key or nests too deeply."""
+    def no_repeats(pairs):
+        if len({key for key, _ in pairs}) != len(pairs):
+            raise ValueError("it repeats a key")
+        return dict(pairs)
+    try:
+        return json.loads(text_argument(text), object_pairs_hook=no_repeats)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+    except ValueError as error:
+        raise ValueError(f"{what} is not JSON ({error}): {text[:60]!r}") from None
+
+
+def wal_reset_bug(version=None):
+    """True if this SQLite (default: the linked one) has the WAL-reset race.
+
+    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
+    3.44.6), can corrupt a WAL database or lose commits when several connections write and
+    checkpoint: exactly the use these modules teach.
+    """
+    version = tuple(version or sqlite3.sqlite_version_info)
+    if not (3, 7, 0) <= version < (3, 51, 3):
+        return False
+    return not ((3, 44, 6) <= version < (3, 45, 0) or (3, 50, 7) <= version < (3, 51, 0))
 
 
 if __name__ == "__main__":

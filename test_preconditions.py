@@ -174,15 +174,22 @@ class CheckAndWriteShareOneTransaction(Case):
     and its write; execute() checks and writes in one BEGIN IMMEDIATE transaction."""
 
     def test_unsafe_check_then_act_builds_on_a_change_the_safe_entry_rejects_as_stale(self):
+        # Each in a child of the driver held at READY (the unsafe one between its check and its
+        # write) while B changes, then released by GO.
         outcomes = {}
-        for name, args in (("unsafe", ("unsafe-check-then-act",)), ("safe", ("execute",))):
+        for name in ("unsafe", "safe"):
             db = self.make_db(name=name + ".db")
-            extra = () if name == "unsafe" else ("--now", 0, "--wait")
-            def between(db=db):
-                self.change("other-1", "B", 2, c=self.open(db))
-            code, out, err = cli(*args, db, "job-1", json.dumps(plan()), *extra, between=between)
-            self.assertEqual((code, err), (0, ""))
-            outcomes[name] = (json.loads(out)["status"], self.figures(db))
+            child = run_experiment.spawn_json(None, run_experiment.executor, db, "job-1", plan(),
+                                              True, name == "unsafe")
+            try:
+                self.assertEqual(child.readline(), "READY")
+                with contextlib.closing(pre.connect(db)) as other:
+                    self.change("other-1", "B", 2, c=other)
+                code, lines = run_experiment.finish(child, "GO\n")
+            finally:
+                run_experiment.reap([child])
+            self.assertEqual(code, 0)
+            outcomes[name] = (json.loads(lines[-1])["status"], self.figures(db))
         # A = 7, B = 5: the unsafe entry moved 3 on top of B's +2.
         self.assertEqual(outcomes["unsafe"], ("applied", ({"A": (7, 2), "B": (5, 3)}, 1, 2)))
         # A = 10, B = 2: the safe entry saw B's new revision.
@@ -778,9 +785,9 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         affected = [(3, 7, 0), (3, 40, 1), (3, 44, 5), (3, 45, 0), (3, 50, 6), (3, 51, 0),
                     (3, 51, 2)]
         fixed = [(3, 6, 23), (3, 44, 6), (3, 44, 9), (3, 50, 7), (3, 51, 3), (3, 52, 0)]
-        self.assertEqual([version for version in affected + fixed if pre.wal_reset_bug(version)],
+        self.assertEqual([version for version in affected + fixed if run_experiment.wal_reset_bug(version)],
                          affected)
-        self.assertEqual(pre.wal_reset_bug(), pre.wal_reset_bug(sqlite3.sqlite_version_info))
+        self.assertEqual(run_experiment.wal_reset_bug(), run_experiment.wal_reset_bug(sqlite3.sqlite_version_info))
 
 
 class InitMakesAWholeDatabaseOrNothing(Case):
@@ -868,35 +875,38 @@ class SnapshotReadsOneState(Case):
 
 
 class TheCommandLineAnswersInOneUtf8Line(Case):
-    """Beyond 第七篇: the script as the experiment's children run it: one JSON line of UTF-8
-    bytes whatever the locale, one line on stderr for a refusal; exit 0, 1, 2 or 71-73."""
+    """Beyond 第七篇: a reader stepping by hand (the driver's step): one JSON line of UTF-8 bytes
+    whatever the locale, one line on stderr for a refusal; exit 0, 1, 2 or 71-73."""
 
-    def test_help_lists_every_command_and_execute_its_boundaries_with_their_exit_codes(self):
+    def test_a_step_lists_the_functions_and_takes_only_the_modules_own_boundaries(self):
         # Through sys.stdout: flushed before the exit.
         code, out, _ = cli("--help")
         self.assertEqual(code, 0)
-        for command in ("init", "execute", "change", "purge", "snapshot", "unsafe-check-then-act"):
-            self.assertIn(command, out)
-        code, out, _ = cli("execute", "--help")
-        self.assertEqual(code, 0)
-        self.assertIn(", ".join(f"{b} {n}" for b, n in pre.EXIT_CODES.items()),
-                      " ".join(out.split()))
+        for function in ("init", "execute", "change", "purge", "snapshot", "history"):
+            self.assertIn(function, out)
+        for boundary in ("after_everything", "after_claim"):
+            with self.subTest(boundary):
+                code, out, err = cli("execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
+                                     "--crash", boundary)
+                self.assertEqual((code, out, len(err.splitlines())), (2, "", 1), err)
+        self.assertEqual(self.figures(), START)
 
-    def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
-        # The real entry point, `python3 -I -S preconditions.py ...` and its sys.exit(main()), once
-        # per exit code, side by side; the other tests fork main(argv) as the driver does.  The
-        # crash has its own file: the snapshot beside it must not race it.
+    def test_the_driver_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
+        # The real entry point, `python3 -I -S run_experiment.py preconditions ...`, once per exit
+        # code, side by side; the other tests fork main(argv) as the driver does.  The crash has
+        # its own file: the snapshot beside it must not race it.
         crash = self.make_db(name="crash.db")
         commands = {0: ["snapshot", self.db],
                     1: ["snapshot", os.path.join(self.dir, "missing.db")], 2: ["bogus"],
                     73: ["execute", crash, "job-1", json.dumps(plan()), "--now", "0",
                          "--crash", "after_commit"]}
-        done = run_together([[sys.executable, "-I", "-S", MODULE, *argv]
+        done = run_together([[sys.executable, "-I", "-S", DRIVER, "preconditions", *argv]
                              for argv in commands.values()])
         self.assertEqual([code for code, _, _ in done], list(commands))
         self.assertEqual(json.loads(done[0][1])["receipts"], 0)
-        self.assertTrue(done[1][2].startswith(b"preconditions.py snapshot: "), done[1][2])
-        self.assertIn(b"invalid choice", done[2][2])
+        self.assertTrue(done[1][2].startswith(b"run_experiment.py preconditions snapshot: "),
+                        done[1][2])
+        self.assertTrue(done[2][2].startswith(b"usage: "), done[2][2])
         # The crash came after COMMIT.
         self.assertEqual(self.figures(crash), AFTER_APPLIED)
 
@@ -907,72 +917,61 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
         legacy = without_python_variables(LC_ALL="C", LANG="C", PYTHONIOENCODING="latin-1")
 
         def in_legacy(*args):
-            [done] = run_together([[sys.executable, "-S", "-X", "utf8=0", *map(str, args)]],
-                                  env=legacy)
+            [done] = run_together([[sys.executable, "-S", "-X", "utf8=0", DRIVER, "preconditions",
+                                    *map(str, args)]], env=legacy)
             return done
         db = os.path.join(self.dir, "cli.db")
-        code, out, err = cli("init", db, "名额A=10", "B=0")
+        code, out, err = cli("init", db, '{"名额A": 10, "B": 0}')
         self.assertEqual((code, err), (0, ""))
         state = {"resources": {"B": {"quantity": 0, "revision": 1},
                                "名额A": {"quantity": 10, "revision": 1}},
                  "effects": 0, "receipts": 0}
-        self.assertEqual(json.loads(out), dict(state, status="initialised"))
+        self.assertEqual(json.loads(out), state)
         # The child's text streams really are not UTF-8; the answer is UTF-8 bytes all the same.
-        self.assertEqual(in_legacy("-c", "import sys; print(sys.stdout.encoding)"),
-                         (0, b"iso8859-1\n", b""))
-        self.assertEqual(in_legacy(MODULE, "snapshot", db),
+        [probe] = run_together([[sys.executable, "-S", "-X", "utf8=0", "-c",
+                                 "import sys; print(sys.stdout.encoding)"]], env=legacy)
+        self.assertEqual(probe, (0, b"iso8859-1\n", b""))
+        self.assertEqual(in_legacy("snapshot", db),
                          (0, pre._dumps(state).encode("utf-8") + b"\n", b""))
-        for argv in [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2", "A"),
+        for argv in [("execute", db), ("execute", db, "job-1", "{}"), ("init", db + "2"),
                      ("bogus",)]:
             with self.subTest(argv=argv):
                 self.assertEqual(cli(*argv)[0], 2)
         refused = [("execute", db, "job-1", json.dumps(plan(src="名额A", amount=True)), "--now", 0),
                    ("execute", db, "job-1", '{"src": "A", "src": "B"}', "--now", 0),
                    ("execute", db, "job-1", json.dumps(plan()), "--now", -1),
-                   ("snapshot", os.path.join(self.dir, "missing.db")), ("init", db, "A=1")]
+                   ("snapshot", os.path.join(self.dir, "missing.db")), ("init", db, '{"A": 1}'),
+                   ("init", db + "3", '{"A": 1, "A": 2}')]
         for argv in refused:
             with self.subTest(argv=argv):
                 code, out, err = cli(*argv)
                 self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
-                self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: "), err)
+                self.assertTrue(err.startswith(f"run_experiment.py preconditions {argv[0]}: "),
+                                err)
+        self.assertFalse(os.path.exists(db + "3"))
         # json.dumps escapes 名额A, so the argument is ASCII; the answer names it in UTF-8.
-        code, out, _ = in_legacy(MODULE, "execute", db, "job-1", json.dumps(plan(src="名额A")),
-                                 "--now", 0)
+        code, out, _ = in_legacy("execute", db, "job-1", json.dumps(plan(src="名额A")), "--now", 0)
         self.assertEqual((code, out.decode("utf-8")), (0, '{"quantities":{"B":3,"名额A":7},'
                                                           '"revisions":{"B":2,"名额A":2},'
                                                           '"status":"applied"}\n'))
         self.assertEqual(json.loads(cli("snapshot", db)[1])["receipts"], 1)
         # Non-ASCII arguments typed in that locale are read as the UTF-8 typed, not refused.
-        code, out, err = in_legacy(MODULE, "change", db, "操作-1", "名额A", 1, "--now", 0)
+        code, out, err = in_legacy("change", db, "操作-1", "名额A", 1, "--now", 0)
         self.assertEqual((code, err), (0, b""))
         self.assertEqual(json.loads(out.decode("utf-8"))["name"], "名额A")
-        # And init's NAME=QTY arguments typed in that locale: the resource is named as typed.
-        code, out, err = in_legacy(MODULE, "init", db + ".typed", "名额B=5")
+        # And init's resources typed in that locale: the resource is named as typed.
+        code, out, err = in_legacy("init", db + ".typed", '{"名额B": 5}')
         self.assertEqual((code, err), (0, b""))
         self.assertEqual(list(json.loads(out.decode("utf-8"))["resources"]), ["名额B"])
 
-    def test_the_command_line_refuses_a_repeated_key_and_anything_but_go_after_ready(self):
+    def test_the_command_line_refuses_a_repeated_key_in_one_line(self):
         # The last "src" would make this a valid plan; a repeated key is refused before it could.
         repeated = ('{"src": "B", "src": "A", "dst": "B", "amount": 3,'
                     ' "expected": {"A": 1, "B": 1}}')
         code, out, err = cli("execute", self.db, "job-1", repeated, "--now", 0)
-        self.assertEqual((code, out), (1, ""))
+        self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
         self.assertIn("repeats a key", err)
-        # Another word, or the parent gone (end of file): never a go.
-        for answer in (b"NO\n", b""):
-            code, out, err = cli("execute", self.db, "job-1", json.dumps(plan()), "--now", 0,
-                                 "--wait", stdin=answer)
-            self.assertEqual((code, out), (1, "READY\n"))
-            self.assertIn("expected GO", err)
         self.assertEqual(self.figures(), START)
-        # One name twice: refused in one line; a quantity that is no integer is init's usage.
-        code, _, err = cli("init", os.path.join(self.dir, "twice.db"), "A=1", "A=2")
-        self.assertEqual((code, len(err.splitlines())), (1, 1), err)
-        self.assertIn("named once", err)
-        code, _, err = cli("init", os.path.join(self.dir, "twice.db"), "A=1", "B=x")
-        self.assertEqual(code, 2)
-        self.assertIn("usage: preconditions.py init", err)
-        self.assertFalse(os.path.exists(os.path.join(self.dir, "twice.db")))
 
     def test_a_stored_result_nested_too_deeply_is_a_one_line_refusal_of_a_replay(self):
         # What another program could store.
@@ -986,25 +985,9 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
             with self.subTest(argv[0]):
                 code, out, err = cli(*argv)
                 self.assertEqual((code, out, len(err.splitlines())), (1, "", 1), err)
-                self.assertTrue(err.startswith(f"preconditions.py {argv[0]}: RecursionError: "),
-                                err)
+                self.assertTrue(err.startswith(f"run_experiment.py preconditions {argv[0]}:"
+                                               " RecursionError: "), err)
         self.assertEqual(self.figures(), ({"A": (8, 3), "B": (3, 2)}, 1, 2))
-
-    @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
-                         "sees where a process waits (Linux /proc)")
-    def test_execute_or_the_baseline_waiting_for_go_stops_in_one_line_and_moves_nothing(self):
-        command = json.dumps(plan())
-        for argv in (("execute", self.db, "job-1", command, "--now", "0", "--wait"),
-                     ("unsafe-check-then-act", self.db, "job-1", command)):
-            for label, (stop, background) in STOPS.items():
-                with self.subTest(argv[0], stop=label):
-                    done = at_a_terminal([sys.executable, MODULE, *argv],
-                                         lambda pid, screen: screen == "READY\n"
-                                         and sleeps_in_read(pid), stop, background)
-                    self.assertEqual(done, (130, f"READY\npreconditions.py {argv[0]}:"
-                                                 " interrupted\n", []))
-        self.assertEqual(self.figures(), START)
-        self.assertEqual(sorted(os.listdir(self.dir)), ["t.db"])
 
 
 # === the source itself: the article's code verbatim ==========================================
@@ -1092,6 +1075,7 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULE = os.path.join(HERE, "preconditions.py")
+DRIVER = os.path.abspath(run_experiment.__file__)
 # The module the twins below run: test_reliability.py's twins run reliability.py.
 UNDER_TEST = pre
 # Seconds: only ends a hung child, never asserted as a measurement.
@@ -1229,22 +1213,20 @@ def without_python_variables(**extra):
 # --- children: the command line, fresh interpreters, racers and agents ----------------------
 
 # twin: identical in test_reliability.py
-def cli(*argv, between=None, stdin=b""):
-    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
-    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
-    ``between``, for a --wait child: at its READY line (it has read what it checks) run
-    between(), then write GO.  A child still running at the watchdog, or when anything here
-    fails, is killed and reaped."""
+def cli(*argv, stdin=b""):
+    """A step by hand of UNDER_TEST (``run_experiment.py MODULE FUNCTION ARG...``), in a child
+    forked as the driver forks its children: forked(run_experiment.main, ...)."""
+    return forked(run_experiment.main, [UNDER_TEST.__name__, *map(str, argv)], stdin=stdin)
+
+
+# twin: identical in test_reliability.py
+def forked(main, argv, stdin=b""):
+    """main(argv) in a child forked by run_experiment.fork_child, ``stdin`` its input, run to its
+    end: (exit code, stdout, stderr) as text from UTF-8.  A child still running at the
+    watchdog, or when anything here fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
-                                          stderr=stderr.fileno())
+        child = run_experiment.fork_child(main, (argv,), stderr=stderr.fileno())
         try:
-            if between is not None:
-                ready = child.readline()
-                if ready != "READY":
-                    raise AssertionError(f"the child said {ready!r}, not READY")
-                between()
-                stdin = b"GO\n"
             out, _ = child.communicate(stdin, timeout=WATCHDOG)
         finally:
             run_experiment.reap([child])

@@ -16,13 +16,12 @@ kits, README.md's tables and walk-through, the public names, the driver's own fa
 five-file download, and the test that the twins are identical.
 
 How the suite runs its children: most are forked, as the driver forks them
-(run_experiment.fork_start), and run the module's own command line, main(argv); a fork costs
-a few milliseconds where a fresh interpreter costs about 30.  The rule that buys it: the
-parent holds no SQLite connection to a file the child opens (SQLite's lock records would be
-copied into the child), so tests close theirs first (ws.close()), and on Linux fork_start
-checks the rule by inode through /proc/self/fd.  Fresh interpreters run only where the
-interpreter itself is under test: the real entry point once per exit code, and the locale and
-strace tests.
+(run_experiment.fork_child): the module's tool child (tool_child), or the driver's step by hand
+(run_experiment.main); a fork costs a few milliseconds where a fresh interpreter costs about 30.
+The rule that buys it: the parent holds no SQLite connection to a file the child opens
+(SQLite's lock records would be copied into the child), so tests close theirs first
+(ws.close()).  Fresh interpreters run only where the interpreter itself is under test: the real
+entry points once per exit code, and the locale, terminal and strace tests.
 
 Races are forced, not hoped for: race() releases its forked racers together at barriers the
 test checks, its watchdog measures silence rather than work, and racers retry "database is
@@ -130,7 +129,7 @@ class OnlyAnExistingDatabaseOfOursOpens(unittest.TestCase):
             fifo = os.path.join(root, "fifo", SENDER)
             os.mkdir(os.path.dirname(fifo))
             os.mkfifo(fifo)
-            code, out, err = cli("snapshot", os.path.dirname(fifo))
+            code, out, err = cli("snapshot", fifo)
             self.assertEqual((code, out, len(err.splitlines())), (1, "", 1), err)
             self.assertIn(fifo, err)
 
@@ -165,7 +164,8 @@ class OnlyAnExistingDatabaseOfOursOpens(unittest.TestCase):
             reliability.init(root)
             with contextlib.closing(reliability.connect(os.path.join(root, RECEIVER))) as opened:
                 self.assertEqual(receive_on(opened)["ticket_id"], 1)
-            self.assertEqual(cli("purge", root, "--now", 100, "--window", 50)[0], 0)
+            self.assertEqual(cli("purge", os.path.join(root, RECEIVER), "--now", 100, "--window",
+                                 50)[0], 0)
             self.assertEqual(sorted(os.listdir(os.path.join(top, "root"))), sorted(KINDS))
 
 
@@ -325,8 +325,8 @@ class TheIntentIsStoredOnceBeforeAnythingIsSent(unittest.TestCase):
 
     def test_enqueue_dying_before_its_commit_leaves_nothing_and_the_retry_is_accepted(self):
         with workspace() as ws:
-            code, out, _ = cli("enqueue", ws.root, "agent", "k1", json.dumps(PAYLOAD), "--now", 0,
-                               "--crash", "before_intent_commit")
+            code, out, _ = cli("enqueue", ws.path("sender"), "agent", "k1", json.dumps(PAYLOAD),
+                               "--now", 0, "--crash", "before_intent_commit")
             self.assertEqual((code, out), (CRASH_EXIT, ""))
             self.assertEqual(counts(ws), EMPTY)
             self.assertEqual(enqueue(ws), "accepted")
@@ -334,8 +334,8 @@ class TheIntentIsStoredOnceBeforeAnythingIsSent(unittest.TestCase):
 
     def test_enqueue_dying_after_its_commit_keeps_the_intent_and_the_retry_is_a_duplicate(self):
         with workspace() as ws:
-            code, out, _ = cli("enqueue", ws.root, "agent", "k1", json.dumps(PAYLOAD), "--now", 0,
-                               "--crash", "after_intent_commit")
+            code, out, _ = cli("enqueue", ws.path("sender"), "agent", "k1", json.dumps(PAYLOAD),
+                               "--now", 0, "--crash", "after_intent_commit")
             self.assertEqual((code, out), (CRASH_EXIT, ""), 'the caller never heard "accepted"')
             self.assertEqual(state(ws), ("pending", 0))
             self.assertEqual(enqueue(ws), "duplicate")
@@ -780,10 +780,11 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
         called = [node.args[0].value for node in ast.walk(TREE) if isinstance(node, ast.Call)
                   and getattr(node.func, "id", None) == "crash_point"
                   and isinstance(node.args[0], ast.Constant)]
-        self.assertEqual(set(called), set(reliability.BOUNDARIES))
-        self.assertEqual(set(reliability.BOUNDARIES.values()),
+        # The module owns the places; the driver's crash-matrix table names each one once.
+        self.assertEqual(set(called), set(run_experiment.BOUNDARIES))
+        self.assertEqual({owner for owner, _ in run_experiment.BOUNDARIES.values()},
                          {"enqueue", "dispatch", "receiver", "external",
-                          "unsafe-dispatch-mark-before"})
+                          "unsafe_dispatch_mark_before"})
         for name in reliability.__all__:
             function = DEFINITIONS[name]
             if isinstance(function, ast.FunctionDef):
@@ -832,22 +833,21 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
         with workspace() as ws:
             enqueue(ws)
 
-            def naive(crash=None):
-                return lambda argv: launcher(crash)(["serve", "unsafe-receive", *argv[2:]])
             first = reliability.dispatch(ws.sender, ws.root, 0,
-                                         start=naive("after_receiver_commit"))
+                                         start=launcher("after_receiver_commit", naive=True))
             self.assertEqual((first["exit_code"], counts(ws)["tickets"]), (CRASH_EXIT, 1))
             ws.close("receiver")
-            reliability.dispatch(ws.sender, ws.root, 11, start=naive())
+            reliability.dispatch(ws.sender, ws.root, 11, start=launcher(naive=True))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 2), 2))
 
     def test_marking_done_before_sending_then_dying_loses_the_task_for_good(self):
         with workspace() as ws:
             enqueue(ws)
             ws.close()
-            code, out, _ = cli("unsafe-dispatch-mark-before", ws.root, "--now", 0,
-                               "--crash", "after_mark_before_send")
-            self.assertEqual((code, out), (CRASH_EXIT, ""))
+            code, said = run_experiment.run_child(None, run_experiment.send, ws.root,
+                                                  "unsafe_dispatch_mark_before", 0,
+                                                  crash="after_mark_before_send")
+            self.assertEqual((code, said), (CRASH_EXIT, None))
             self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 11))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 1), 0))
 
@@ -858,7 +858,8 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
             with self.subTest(boundary), workspace() as ws:
                 enqueue(ws)
                 ws.close()
-                code, _, _ = cli("dispatch", ws.root, "--now", 0, "--crash", boundary)
+                code, _, _ = cli("dispatch", ws.path("sender"), ws.root, "--now", 0, "--crash",
+                                 boundary)
                 self.assertEqual(code, CRASH_EXIT)
                 reliability.dispatch(ws.sender, ws.root, 11, start=launcher())
                 self.assertEqual((state(ws), counts(ws)["tickets"], counts(ws)["receipts"]),
@@ -872,7 +873,7 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
             with mock.patch("subprocess.Popen", return_value=child) as popen:
                 self.assertEqual(reliability.call_tool(ws.root, row, timeout=0.5),
                                  (None, None, True))
-            self.assertIn("serve", popen.call_args.args[0])
+            self.assertEqual(popen.call_args.args[0][-2:], ["receive", ws.path("receiver")])
             self.assert_killed_and_reaped(child)
         # Through deliver(): an external row becomes unknown, an idempotent one stays in flight.
         for mode, expected in (("external", "unknown"), ("idempotent", "inflight")):
@@ -896,40 +897,47 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
 
 
 class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
-    """§4: the command line the children run, and a reader stepping by hand: exit 0, 1, 2 or
-    73, one line on refusal, UTF-8 whatever the locale, boundaries passed to their owner."""
+    """§4: the tool child the module starts, and a reader stepping by hand (the driver's step):
+    exit 0, 1, 2 or 73, one line on refusal, UTF-8 whatever the locale, a boundary passed on to
+    the tool child."""
 
-    def test_help_lists_every_command_and_dispatch_every_boundary_of_a_delivery(self):
+    def test_a_step_by_hand_lists_the_functions_and_refuses_bad_usage_in_one_line(self):
         # Printed through sys.stdout: the child flushes it before it exits.
         code, out, _ = cli("--help")
         self.assertEqual(code, 0)
-        for command in ("init", "enqueue", "claim", "dispatch", "deliver", "serve", "snapshot",
-                        "reconcile", "resolve", "purge", "unsafe-dispatch-mark-before"):
-            self.assertIn(command, out)
-        code, out, _ = cli("dispatch", "--help")
-        self.assertEqual(code, 0)
-        for boundary in ("after_claim", "before_receiver_commit", "after_receiver_commit",
-                         "after_response_write", "after_response_before_ack", "after_ack",
-                         "before_external_effect", "after_external_effect"):
-            self.assertIn(boundary, " ".join(out.split()))
+        for function in ("init", "enqueue", "claim", "dispatch", "deliver", "snapshot",
+                         "reconcile", "resolve", "purge"):
+            self.assertIn(function, out)
+        with workspace() as ws:
+            ws.close()
+            for argv, said in ((["nothing"], "usage"), (["enqueue", ws.path("sender")], "KEY"),
+                               (["dispatch", ws.path("sender"), ws.root, "--now", 0, "--crash",
+                                 "after_commit"], "named boundary")):
+                with self.subTest(argv=argv[:1]):
+                    code, out, err = cli(*argv)
+                    self.assertEqual((code, out, len(err.splitlines())), (2, "", 1 + (
+                        argv == ["nothing"])), err)
+                    self.assertIn(said, err)
+            self.assertEqual(counts(ws), EMPTY)
 
-    def test_the_script_run_by_a_fresh_interpreter_exits_0_1_2_and_73(self):
-        # The real entry point, `python3 -I -S reliability.py ...` and its sys.exit(main()), once
-        # per exit code, side by side; the other tests fork main(argv) as the driver does.
+    def test_the_scripts_run_by_a_fresh_interpreter_exit_0_1_2_and_73(self):
+        # The real entry points, `python3 -I -S reliability.py TOOL DB` and the driver's step,
+        # once per exit code, side by side; the other tests fork them as the driver does.
         request = json.dumps({"caller": "agent", "key": "k1", "payload": PAYLOAD, "issued_at": 0,
                               "now": 0}).encode()
         # The snapshot reads the other workspace, so the crash cannot race it.
         with workspace() as ws, workspace() as other:
-            commands = {0: ["snapshot", other.root], 1: ["snapshot", ws.path("missing")],
-                        2: ["bogus"], CRASH_EXIT: ["serve", "receive", ws.path("receiver"),
-                                                   "--crash", "after_receiver_commit"]}
-            fresh = [[sys.executable, "-I", "-S", SCRIPT, *argv] for argv in commands.values()]
+            commands = {0: [DRIVER, "reliability", "snapshot", other.path("sender")],
+                        1: [SCRIPT, "receive", ws.path("missing")], 2: [SCRIPT, "bogus"],
+                        CRASH_EXIT: [SCRIPT, "receive", ws.path("receiver"),
+                                     "after_receiver_commit"]}
+            fresh = [[sys.executable, "-I", "-S", *argv] for argv in commands.values()]
             done = run_together(fresh, request + b"\n")
             self.assertEqual([code for code, _, _ in done], list(commands))
-            self.assertEqual(json.loads(done[0][1])["sender"],
+            self.assertEqual(json.loads(done[0][1]),
                              {"intent_rows": 0, "outbox": [], "parked": [], "resolutions": []})
-            self.assertTrue(done[1][2].startswith(b"reliability.py snapshot: "), done[1][2])
-            self.assertIn(b"invalid choice", done[2][2])
+            self.assertTrue(done[1][2].startswith(b"reliability.py receive: "), done[1][2])
+            self.assertTrue(done[2][2].startswith(b"usage: "), done[2][2])
             self.assertEqual((done[3][1], counts(ws)["tickets"]), (b"", 1),
                              "committed, then died before replying")
 
@@ -943,10 +951,11 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
         with workspace() as ws:
             for label, line in lines.items():
                 with self.subTest(label):
-                    code, out, err = cli("serve", "receive", ws.path("receiver"), stdin=line)
+                    code, out, err = forked(reliability.tool_child,
+                                            ["receive", ws.path("receiver")], stdin=line)
                     self.assertEqual((code, out), (1, ""))
                     self.assertEqual(len(err.splitlines()), 1, err)
-                    self.assertTrue(err.startswith("reliability.py serve: "), err)
+                    self.assertTrue(err.startswith("reliability.py receive: "), err)
             self.assertEqual(counts(ws), EMPTY)
 
     def test_the_command_line_refuses_a_repeated_key_or_json_nested_too_deeply_in_one_line(self):
@@ -955,12 +964,13 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             for payload, said in (('{"x": 1, "x": 2}', "repeats a key"),
                                   ("[" * 50000 + "]" * 50000, "nests too deeply")):
                 with self.subTest(said):
-                    code, out, err = cli("enqueue", ws.root, "agent", "k1", payload, "--now", 0)
+                    code, out, err = cli("enqueue", ws.path("sender"), "agent", "k1", payload,
+                                         "--now", 0)
                     self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
                     self.assertIn(said, err)
             self.assertEqual(counts(ws), EMPTY)
 
-    def test_stored_json_nested_too_deeply_is_refused_in_one_line_and_shown_as_text(self):
+    def test_stored_json_nested_too_deeply_is_blocked_unsent_and_shown_as_text(self):
         # What another program could store.
         deep = "[" * 100000 + "]" * 100000
         with workspace() as ws:
@@ -970,51 +980,44 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             with raw(ws.path("sender")) as tamper:
                 tamper.execute("UPDATE requests SET payload = ?", (deep,))
                 tamper.execute("UPDATE outbox SET response = ?", (deep,))
-            code, out, err = cli("deliver", ws.root, "agent", "k1", "--attempt", 1, "--now", 0)
-            self.assertEqual((code, out, len(err.splitlines())), (1, "", 1), err)
-            self.assertTrue(err.startswith("reliability.py deliver: RecursionError: "), err)
-            self.assertEqual(counts(ws), dict(EMPTY, requests=1, outbox=1))
-            # A reader still sees it, as the text it is.
-            ws.close()
-            code, out, err = cli("snapshot", ws.root)
+            # A reader sees it, as the text it is.
+            code, out, err = cli("snapshot", ws.path("sender"))
             self.assertEqual((code, err), (0, ""))
-            self.assertEqual(json.loads(out)["sender"]["outbox"][0]["response"], deep)
+            self.assertEqual(json.loads(out)["outbox"][0]["response"], deep)
+            code, out, err = cli("dispatch", ws.path("sender"), ws.root, "--now", 11)
+            self.assertEqual((code, out, err), (0, "null\n", ""))
+            self.assertEqual((state(ws), counts(ws)["tickets"]), (("blocked", 1), 0))
+            self.assertIn("corrupt intent: maximum recursion depth", outbox(ws)["response"]["error"])
 
-    def test_the_tool_childs_command_line_refuses_a_boundary_it_does_not_own(self):
+    def test_the_tool_childs_command_line_refuses_what_it_does_not_serve(self):
         with workspace() as ws:
-            serve = ("serve", "receive", ws.path("receiver"))
-            for argv in (serve + ("--crash", "after_claim"),
-                         serve + ("--crash", "after_external_effect"),
-                         ("serve", "nothing", ws.path("receiver")), ("serve",),
-                         ("dispatch", ws.root, "--now", 0, "--crash", "after_mark_before_send")):
-                with self.subTest(argv=argv[:2]):
-                    code, out, err = cli(*argv)
+            for argv in ([], ["nothing", ws.path("receiver")], ["receive"],
+                         ["receive", ws.path("receiver"), "after_claim", "more"]):
+                with self.subTest(argv=argv[:1]):
+                    code, out, err = forked(reliability.tool_child, argv)
                     self.assertEqual((code, out), (2, ""))
-                    self.assertIn("usage", err)
+                    self.assertTrue(err.startswith("usage: "), err)
             self.assertEqual(counts(ws), EMPTY)
 
-    def test_dispatch_passes_a_tool_childs_boundary_on_only_to_the_tool_that_owns_it(self):
+    def test_a_process_armed_at_a_boundary_passes_it_on_to_its_tool_child(self):
         with workspace() as ws:
             enqueue(ws)
             ws.close()
-            code, out, err = cli("dispatch", ws.root, "--now", 0,
-                                 "--crash", "after_receiver_commit")
+            dispatch = ("dispatch", ws.path("sender"), ws.root, "--now")
+            code, out, err = cli(*dispatch, 0, "--crash", "after_receiver_commit")
             line = json.loads(out)
             self.assertEqual((code, line["exit_code"], line["status"]),
                              (0, CRASH_EXIT, "inflight"))
-            self.assertNotIn("not_reached", line, "the child died there")
-            self.assertIn("died at after_receiver_commit (exit 73)", err)
-            # An external tool's boundary does not apply to the receiver: it answers, and the line
-            # says so.
-            code, out, err = cli("dispatch", ws.root, "--now", 11,
-                                 "--crash", "before_external_effect")
-            line = json.loads(out)
-            self.assertEqual((code, line["status"], line["not_reached"], err),
-                             (0, "done", "before_external_effect", ""))
+            self.assertEqual(err, "reliability.py: died at after_receiver_commit (exit 73)\n")
+            # An external tool's boundary, passed on to the receiver, which never meets it.
+            code, out, err = cli(*dispatch, 11, "--crash", "before_external_effect")
+            self.assertEqual((code, json.loads(out)["status"]), (0, "done"))
+            self.assertEqual(err, "run_experiment.py reliability dispatch: before_external_effect"
+                                  " was not reached\n")
             # The sender's own boundary, never met when nothing is due.
-            code, out, _ = cli("dispatch", ws.root, "--now", 12, "--crash", "after_ack")
-            self.assertEqual(json.loads(out),
-                             {"now": 12, "not_reached": "after_ack", "status": "nothing due"})
+            code, out, err = cli(*dispatch, 12, "--crash", "after_ack")
+            self.assertEqual((code, out), (0, "null\n"))
+            self.assertIn("after_ack was not reached", err)
 
     def test_a_row_whose_identity_is_not_text_is_parked_and_snapshot_names_it_and_why(self):
         for label, column, value in (("caller not UTF-8", "caller", "CAST(x'61ff' AS TEXT)"),
@@ -1027,11 +1030,11 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
                 with raw(ws.path("sender")) as tamper:
                     tamper.execute(f"UPDATE requests SET {column} = {value} WHERE key = 'k1'")
                     tamper.execute(f"UPDATE outbox SET {column} = {value} WHERE key = 'k1'")
-                code, out, err = cli("dispatch", ws.root, "--now", 0)
+                code, out, err = cli("dispatch", ws.path("sender"), ws.root, "--now", 0)
                 line = json.loads(out)
                 self.assertEqual((code, err, line["key"], line["status"]), (0, "", "k2", "done"))
-                code, out, err = cli("snapshot", ws.root)
-                parked = json.loads(out)["sender"]["parked"]
+                code, out, err = cli("snapshot", ws.path("sender"))
+                parked = json.loads(out)["parked"]
                 shown = ("a\\xff", "k1") if column == "caller" else ("agent", "k1")
                 self.assertEqual((code, err), (0, ""))
                 self.assertEqual([(row["caller"], row["key"], row["state"]) for row in parked],
@@ -1064,21 +1067,6 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             self.assertEqual(reasons["old"], reasons["ext"])
             self.assertTrue(reasons["twice"][1].startswith("conflict "), reasons["twice"])
 
-    def test_deliver_on_the_command_line_refuses_an_attempt_or_a_tick_that_never_was(self):
-        with workspace() as ws:
-            enqueue(ws, now=5)
-            reliability.claim(ws.sender, 5)
-            ws.close()
-            for attempt, now, said in ((2, 5, "never claimed"), (0, 5, "never claimed"),
-                                       (1, 4, "later than now")):
-                with self.subTest(attempt=attempt, now=now):
-                    code, out, err = cli("deliver", ws.root, "agent", "k1", "--attempt", attempt,
-                                         "--now", now)
-                    self.assertEqual((code, out), (1, ""))
-                    self.assertIn(said, err)
-            self.assertEqual((state(ws), counts(ws)["tickets"]), (("inflight", 1), 0),
-                             "nothing was sent")
-
     def test_a_locale_without_utf8_does_not_garble_a_chinese_key_in_either_mode(self):
         # Not LC_ALL=C alone: by default C means UTF-8 and would prove nothing (see LEGACY).
         probe = subprocess.run([sys.executable, *LEGACY[0], "-c",
@@ -1101,14 +1089,14 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
         # typed.
         with workspace() as ws:
             ws.close()
-            legacy = lambda *argv: [sys.executable, *LEGACY[0], SCRIPT, *map(str, argv)]
+            legacy = lambda *argv: [sys.executable, *LEGACY[0], DRIVER, "reliability",
+                                    *map(str, argv)]
             [(code, out, err)] = run_together(
-                [legacy("enqueue", ws.root, "代理", "工单-1", '{"title": "打印机卡纸"}', "--now", 0)],
-                env=LEGACY[1])
-            self.assertEqual((code, err), (0, b""))
-            self.assertEqual(json.loads(out.decode("utf-8"))["key"], "工单-1")
-            [(code, out, err)] = run_together([legacy("dispatch", ws.root, "--now", 0)],
-                                              env=LEGACY[1])
+                [legacy("enqueue", ws.path("sender"), "代理", "工单-1", '{"title": "打印机卡纸"}',
+                        "--now", 0)], env=LEGACY[1])
+            self.assertEqual((code, out, err), (0, b'"accepted"\n', b""))
+            [(code, out, err)] = run_together([legacy("dispatch", ws.path("sender"), ws.root,
+                                                      "--now", 0)], env=LEGACY[1])
             self.assertEqual((code, err), (0, b""))
             self.assertEqual(json.loads(out.decode("utf-8"))["response"]["caller"], "代理",
                              "the sender read it right")
@@ -1116,29 +1104,17 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
 
     @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
                          "sees where a process waits (Linux /proc)")
-    def test_serve_waiting_for_its_request_stops_in_one_line_on_ctrl_c_sigterm_or_sighup(self):
+    def test_a_tool_child_waiting_for_its_request_stops_in_one_line_on_ctrl_c_or_a_signal(self):
         with workspace() as ws:
             ws.close()
             for label, (stop, background) in STOPS.items():
                 with self.subTest(label):
-                    done = at_a_terminal([sys.executable, SCRIPT, "serve", "receive",
+                    done = at_a_terminal([sys.executable, SCRIPT, "receive",
                                           ws.path("receiver")],
                                          lambda pid, screen: sleeps_in_read(pid), stop,
                                          background)
-                    self.assertEqual(done, (130, "reliability.py serve: interrupted\n", []))
+                    self.assertEqual(done, (130, "reliability.py receive: interrupted\n", []))
             self.assertEqual(counts(ws), EMPTY)
-
-    @unittest.skipUnless(os.path.exists("/proc/self/syscall"),
-                         "sees where a process waits (Linux /proc)")
-    def test_claim_waiting_for_go_stops_in_one_line_on_ctrl_c_and_claims_nothing(self):
-        with workspace() as ws:
-            enqueue(ws)
-            ws.close()
-            done = at_a_terminal([sys.executable, SCRIPT, "claim", ws.root, "--now", "0",
-                                  "--wait"],
-                                 lambda pid, screen: screen == "READY\n" and sleeps_in_read(pid))
-            self.assertEqual(done, (130, "READY\nreliability.py claim: interrupted\n", []))
-            self.assertEqual(state(ws), ("pending", 0))
 
     @unittest.skipUnless(os.path.isdir("/proc"), "finds the tool child (Linux /proc)")
     def test_dispatch_stops_in_one_line_on_ctrl_c_or_sigterm_and_kills_its_tool_child(self):
@@ -1161,10 +1137,10 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
                     return False
                 with raw(ws.path("receiver")) as receiver:
                     receiver.execute("BEGIN IMMEDIATE")
-                    done = at_a_terminal([sys.executable, SCRIPT, "dispatch", ws.root, "--now",
-                                          "0"], ready, stop)
+                    done = at_a_terminal([sys.executable, DRIVER, "reliability", "dispatch",
+                                          ws.path("sender"), ws.root, "--now", "0"], ready, stop)
                     receiver.execute("ROLLBACK")
-                self.assertEqual(done, (130, "reliability.py dispatch: interrupted\n", []))
+                self.assertEqual(done, (130, "run_experiment.py: interrupted\n", []))
                 # In a session of its own, out of the terminal's reach: dispatch killed it.
                 child, started, apart = held[0]
                 self.assertTrue(apart, "the tool child shares the terminal's session")
@@ -1183,7 +1159,8 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             enqueue(ws)
             enqueue(ws, "k2")
             ws.close()
-            dispatch = [SCRIPT, "dispatch", ws.root, "--now", "0"]
+            dispatch = [DRIVER, "reliability", "dispatch", ws.path("sender"), ws.root, "--now",
+                        "0"]
             done = subprocess.run(bare + dispatch, capture_output=True, timeout=WATCHDOG)
             self.assertEqual((done.returncode, done.stderr), (0, b""))
             self.assertEqual(json.loads(done.stdout)["status"], "done")
@@ -1195,7 +1172,7 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
                                    'mount -t tmpfs none /proc && exec "$@"', "sh", *bare,
                                    *dispatch], capture_output=True, timeout=WATCHDOG)
             self.assertEqual((done.returncode, done.stdout), (1, b""))
-            self.assertEqual(done.stderr.decode("utf-8"), "reliability.py dispatch:"
+            self.assertEqual(done.stderr.decode("utf-8"), "run_experiment.py reliability dispatch:"
                              " FileNotFoundError: [Errno 2] the Python interpreter is unknown"
                              " (sys.executable is empty): run python3 by its full path, or"
                              " export PATH\n")
@@ -1259,7 +1236,7 @@ class OneClaimerWinsAndStaleAttemptsChangeNothing(unittest.TestCase):
             self.assertEqual(state(ws), ("inflight", 1))
             self.assertEqual(reliability.claim(ws.sender, 10)["attempt"], 2)
         # The article's recovery: a sender that died after its claim at tick 0.  Its tool child
-        # is started as in production, by start_child: `python3 -I -S reliability.py serve ...`.
+        # is started as in production, by start_child: `python3 -I -S reliability.py receive DB`.
         with workspace() as ws:
             enqueue(ws)
             reliability.claim(ws.sender, 0)
@@ -1548,7 +1525,10 @@ class WhoMayStillActIsRecorded(unittest.TestCase):
     def test_a_late_deliver_sends_nothing_for_an_external_row_that_is_no_longer_its_own(self):
         with workspace() as ws:
             unknown_external(ws)
-            row = reliability._claimed_row(ws.sender, "agent", "k1", 1, 0)
+            # What claim() gave attempt 1.
+            row = {"caller": "agent", "key": "k1", "attempt": 1, "mode": "external",
+                   "digest": reliability.canonical(PAYLOAD)[1], "payload": PAYLOAD,
+                   "issued_at": 0, "now": 0}
             for attempt in (1, 7):
                 with self.subTest(attempt=attempt):
                     started = []
@@ -1962,18 +1942,16 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
                 receive(ws, key, now=tick)
             unknown_external(ws)
             ws.close()
-            self.assertEqual(cli("purge", ws.root, "--now", 100, "--window", 50),
-                             (0, '{"deleted":1,"low_water":50,"status":"purged"}\n', ""))
-            self.assertEqual(cli("resolve", ws.root, "agent", "k1", "abandon", "--attempt", 1,
-                                 "--by", "x", "--why", "y"),
+            self.assertEqual(cli("purge", ws.path("receiver"), "--now", 100, "--window", 50),
+                             (0, '{"deleted":1,"low_water":50}\n', ""))
+            resolve = ("resolve", ws.path("sender"), "agent", "k1")
+            self.assertEqual(cli(*resolve, "abandon", "--attempt", 1, "--by", "x", "--why", "y"),
                              (0, '{"resolution":1,"status":"abandoned"}\n', ""))
-            code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--attempt", 1,
-                                 "--by", "x", "--why", "y")
+            code, out, err = cli(*resolve, "retry", "--attempt", 1, "--by", "x", "--why", "y")
             self.assertEqual((code, out, len(err.splitlines())), (1, "", 1))
-            self.assertTrue(err.startswith("reliability.py resolve: "), err)
+            self.assertTrue(err.startswith("run_experiment.py reliability resolve: "), err)
             # The attempt decided on is required.
-            code, out, err = cli("resolve", ws.root, "agent", "k1", "retry", "--by", "x",
-                                 "--why", "y")
+            code, out, err = cli(*resolve, "retry", "--by", "x", "--why", "y")
             self.assertEqual((code, out), (2, ""))
             self.assertIn("--attempt", err)
             self.assertEqual((outbox(ws)["state"], len(audit(ws))), ("abandoned", 1))
@@ -2276,7 +2254,7 @@ class FailedSystemCallsAreUnknownOrOneLine(unittest.TestCase):
                 roots[name] = ws.root
                 database = ws.path("receiver")
                 commands.append(strace(f"fdatasync:{inject}", database + "-wal",
-                                       "serve", "receive", database))
+                                       SCRIPT, "receive", database))
             done = run_together(commands, request)
             outcomes = {name: (out.decode("utf-8"), err.decode("utf-8"), code)
                         for name, (code, out, err) in zip(variants, done)}
@@ -2303,8 +2281,9 @@ class FailedSystemCallsAreUnknownOrOneLine(unittest.TestCase):
         with workspace() as ws:
             before = counts(ws)
             database = ws.path("receiver")
-            done = subprocess.run(strace("openat:error=EROFS", database + "-wal", "purge", ws.root,
-                                         "--now", "100", "--window", "50"),
+            done = subprocess.run(strace("openat:error=EROFS", database + "-wal", DRIVER,
+                                         "reliability", "purge", database, "--now", "100",
+                                         "--window", "50"),
                                   capture_output=True, timeout=WATCHDOG)
             err = done.stderr.decode("utf-8")
             self.assertEqual((done.returncode, done.stdout), (1, b""))
@@ -2324,9 +2303,9 @@ class TheWalResetBugVersionsAreKnown(unittest.TestCase):
                     (3, 52, 0): False}
         for version, affected in expected.items():
             with self.subTest(version=version):
-                self.assertIs(reliability.wal_reset_bug(version), affected)
-        self.assertIs(reliability.wal_reset_bug(),
-                      reliability.wal_reset_bug(sqlite3.sqlite_version_info))
+                self.assertIs(run_experiment.wal_reset_bug(version), affected)
+        self.assertIs(run_experiment.wal_reset_bug(),
+                      run_experiment.wal_reset_bug(sqlite3.sqlite_version_info))
 
 
 # === results.json as committed (--check reruns every scenario against it) ===
@@ -2388,7 +2367,7 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
             boundary = name.split("/", 1)[1]
             cells = RESULTS["crash_matrix"][name]
             with self.subTest(boundary):
-                self.assertEqual(sorted(cells), sorted(run_experiment.matrix_modes(boundary)))
+                self.assertEqual(sorted(cells), sorted(run_experiment.BOUNDARIES[boundary][1]))
                 self.assertEqual({cell["exit_code"] for cell in cells.values()}, {CRASH_EXIT})
                 if "idempotent" in cells:
                     self.assertEqual((cells["idempotent"]["sender_state"],
@@ -2406,6 +2385,7 @@ class ResultsJsonHoldsTheArticlesFigures(unittest.TestCase):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.abspath(reliability.__file__)
+DRIVER = os.path.abspath(run_experiment.__file__)
 # The module the twins below run: test_preconditions.py's twins run preconditions.py.
 UNDER_TEST = reliability
 # Seconds: only ends a hung child, never asserted as a measurement.
@@ -2610,22 +2590,20 @@ class HidingDict(dict):
 # --- children: the module's own command line, tool children, stand-ins, live processes
 
 # twin: identical in test_preconditions.py
-def cli(*argv, between=None, stdin=b""):
-    """UNDER_TEST's command line, main(argv), in a child forked by fork_start as the driver
-    forks its children, run to its end: (exit code, stdout, stderr) as text from UTF-8.  With
-    ``between``, for a --wait child: at its READY line (it has read what it checks) run
-    between(), then write GO.  A child still running at the watchdog, or when anything here
-    fails, is killed and reaped."""
+def cli(*argv, stdin=b""):
+    """A step by hand of UNDER_TEST (``run_experiment.py MODULE FUNCTION ARG...``), in a child
+    forked as the driver forks its children: forked(run_experiment.main, ...)."""
+    return forked(run_experiment.main, [UNDER_TEST.__name__, *map(str, argv)], stdin=stdin)
+
+
+# twin: identical in test_preconditions.py
+def forked(main, argv, stdin=b""):
+    """main(argv) in a child forked by run_experiment.fork_child, ``stdin`` its input, run to its
+    end: (exit code, stdout, stderr) as text from UTF-8.  A child still running at the
+    watchdog, or when anything here fails, is killed and reaped."""
     with tempfile.TemporaryFile() as stderr:
-        child = run_experiment.fork_start(UNDER_TEST, [str(arg) for arg in argv],
-                                          stderr=stderr.fileno())
+        child = run_experiment.fork_child(main, (argv,), stderr=stderr.fileno())
         try:
-            if between is not None:
-                ready = child.readline()
-                if ready != "READY":
-                    raise AssertionError(f"the child said {ready!r}, not READY")
-                between()
-                stdin = b"GO\n"
             out, _ = child.communicate(stdin, timeout=WATCHDOG)
         finally:
             run_experiment.reap([child])
@@ -2798,17 +2776,19 @@ def sleeps_in_read(pid, fd=0):
     return False
 
 
-def launcher(crash=None, started=None, legacy=False):
-    """A start= hook for call_tool: a tool child running reliability.py's own CLI ``serve ...``,
-    dying at ``crash``; each child is appended to ``started``.  It is forked, as the driver's
-    children are (run_experiment.fork_start), or if ``legacy`` a fresh interpreter in the
-    LEGACY locale."""
+def launcher(crash=None, started=None, legacy=False, naive=False):
+    """A start= hook for call_tool: the module's tool child (tool_child), dying at ``crash``, or
+    with ``naive`` the driver's UNSAFE receiver without receipts; each child is appended to
+    ``started``.  It is forked, as the driver's children are (run_experiment.fork_child), or if
+    ``legacy`` a fresh interpreter in the LEGACY locale."""
     def start(argv):
-        argv = [*argv, *(["--crash", crash] if crash else [])]
+        argv = [*argv, *([crash] if crash else [])]
         # Its crash line ("died at ...") is not this run's output: the cli() tests read it.
         if not legacy:
             with open(os.devnull, "wb") as quiet:
-                child = run_experiment.fork_start(reliability, argv, stderr=quiet.fileno())
+                child = run_experiment.fork_child(
+                    run_experiment.naive_tool_child if naive else reliability.tool_child, (argv,),
+                    stderr=quiet.fileno())
         else:
             child = subprocess.Popen([sys.executable, *LEGACY[0], SCRIPT, *argv],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -2817,13 +2797,6 @@ def launcher(crash=None, started=None, legacy=False):
             started.append(child)
         return child
     return start
-
-
-def stand_in(main):
-    """A module whose main(argv) is ``main``, for fork_start."""
-    module = types.ModuleType("stand_in")
-    module.main = main
-    return module
 
 
 def answering(response):
@@ -2839,7 +2812,7 @@ def answering(response):
 
     def start(argv):
         with open(os.devnull, "wb") as quiet:
-            return run_experiment.fork_start(stand_in(main), argv, stderr=quiet.fileno())
+            return run_experiment.fork_child(main, (argv,), stderr=quiet.fileno())
     return start
 
 
@@ -2859,7 +2832,7 @@ def timed_out_child():
     child = mock.Mock(name="child")
     # Above Linux's pid_max: no process has it.
     child.pid = 4194304
-    child.communicate.side_effect = [subprocess.TimeoutExpired(cmd="serve", timeout=0.5),
+    child.communicate.side_effect = [subprocess.TimeoutExpired(cmd="receive", timeout=0.5),
                                      (b"", None)]
     return child
 
@@ -3072,14 +3045,14 @@ def strace_flags():
 
 
 def strace(inject, path, *argv):
-    """`reliability.py argv...` in a fresh interpreter under strace, ``inject`` (a
-    syscall:fault) applied to the calls on ``path``."""
+    """`python3 argv...` (a script and its arguments) in a fresh interpreter under strace,
+    ``inject`` (a syscall:fault) applied to the calls on ``path``."""
     # With --seccomp-bpf strace 6.1 sends no injected signal, so that one child stops at every
     # call.
     fast = [] if "signal=" in inject else strace_flags()
     return [shutil.which("strace"), "-f", *fast, "-o", os.devnull,
             "-e", f"trace={inject.split(':')[0]}", "-e", f"inject={inject}", "-P", path,
-            sys.executable, "-I", "-S", SCRIPT, *argv]
+            sys.executable, "-I", "-S", *argv]
 
 
 # --- one barrier: racers forked together, and many agents at once
@@ -3270,7 +3243,7 @@ def segment(node):
 
 with open(run_experiment.RESULTS, encoding="utf-8") as _handle:
     RESULTS = json.load(_handle)
-MATRIX = [f"reliability/{boundary}" for boundary in reliability.BOUNDARIES]
+MATRIX = [f"reliability/{boundary}" for boundary in run_experiment.BOUNDARIES]
 
 
 def figure(name, path):

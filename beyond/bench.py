@@ -60,7 +60,7 @@ def main(argv=None):
     options = parse(argv)
     rounds, receives = (QUICK_ROUNDS, QUICK_RECEIVES) if options.quick else (ROUNDS, RECEIVES)
     try:
-        run_experiment.interpreter()
+        reliability._interpreter()
     except OSError as error:
         print(f"beyond/bench.py: error: {error.strerror}", file=sys.stderr)
         return 2
@@ -141,7 +141,7 @@ def workers(processes):
     process's to handle, and it kills them quietly."""
     context = multiprocessing.get_context("spawn")
     # sys.executable, or where a shell that exports no PATH left it empty, the same program.
-    context.set_executable(run_experiment.interpreter())
+    context.set_executable(reliability._interpreter())
     # The tracker of the semaphores below, started once, keeps the mask it starts with too: a
     # hang-up must not end it before they are let go (it ignores SIGINT and SIGTERM itself).
     with run_experiment.stops_held():

@@ -586,9 +586,9 @@ sys.stdout.buffer.write(json.dumps(reply).encode("utf-8") + b"\\n")
 
 
 def tool(argv):
-    """call_tool()'s launcher: TOOL for ``argv`` = [_, tool, database], on piped stdin and
+    """call_tool()'s launcher: TOOL for ``argv`` = [tool, database], on piped stdin and
     stdout."""
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", TOOL, ROOT, argv[1], argv[2]],
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", TOOL, ROOT, argv[0], argv[1]],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 

@@ -376,7 +376,8 @@ def _kill_point(seed, index, n):
 
 def _tool(alive):
     # Forked: a forked tool child keeps the liveness pipe (see torture()).
-    return lambda argv: run_experiment.fork_start(reliability, argv, keep=(alive,))
+    return lambda argv: run_experiment.fork_child(reliability.tool_child, (list(argv),),
+                                                  keep=(alive,))
 
 
 def _spawn(base, index, seed, started, deadline, alive_read, alive_write, operations=None):

@@ -20,6 +20,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import reliability  # noqa: E402
+import run_experiment  # noqa: E402
 from beyond.postgres import harness  # noqa: E402
 from beyond.postgres.harness import (  # noqa: E402
     CLIENTS, FILLER, LEVELS, MIXED, ROUNDS, SETTINGS, call, isolate, literal, query, race, value)
@@ -1428,9 +1429,9 @@ def canonical_in_sql(session, texts):
 
 
 def python_canonical(text):
-    """reliability.canonical of the JSON text as reliability.py's CLI reads it, or None."""
+    """reliability.canonical of the JSON text as the driver's step reads it, or None."""
     try:
-        return reliability.canonical(reliability._json_argument(text, "payload"))
+        return reliability.canonical(run_experiment.json_argument(text, "payload"))
     except (ValueError, TypeError):
         return None
 
@@ -1630,7 +1631,7 @@ class Editions:
             if kind == "receive":
                 key, payload, issued_at, now = args
                 if type(payload) is str:
-                    payload = reliability._json_argument(payload, "payload")
+                    payload = run_experiment.json_argument(payload, "payload")
                 answer = reliability.receive(ws.receiver, CALLER, key, payload,
                                              issued_at=issued_at, now=now)
                 return self.label("python", {"status": "ticket", "response": answer})

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import preconditions as pre  # noqa: E402
+import run_experiment  # noqa: E402
 from beyond.postgres import harness  # noqa: E402
 from beyond.postgres.harness import (  # noqa: E402
     CLIENTS, FILLER, LEVELS, MIXED, RETRIED, ROUNDS, SETTINGS, call, isolate, literal, query, race,
@@ -558,7 +559,7 @@ def python(twin, step):
             return dict(pre.purge(twin, *args), status="purged")
         *args, issued_at, now = args
         if kind == "execute" and type(args[1]) is str:
-            args[1] = pre._json_argument(args[1], "command")
+            args[1] = run_experiment.json_argument(args[1], "command")
         return getattr(pre, kind)(twin, *args, issued_at=issued_at, now=now)
     except (ValueError, TypeError) as error:
         return "backwards" if "move it backwards" in str(error) else "invalid"
