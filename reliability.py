@@ -677,10 +677,8 @@ def connect(path):
 
 
 def init(root):
-    """Create sender.db, receiver.db and external.db under ``root``; never overwrite.
-
-    On failure the files this call created are removed again.
-    """
+    """Create sender.db, receiver.db and external.db under ``root``, all or none; never over an
+    existing file (FileExistsError)."""
     os.makedirs(root, exist_ok=True)
     made = []
     try:
@@ -688,10 +686,9 @@ def init(root):
             _create(os.path.join(root, name), kind, SCHEMAS[name])
             made.append(os.path.join(root, name))
     except BaseException:
+        # Each was closed whole: no -wal or -shm is left beside it.
         for path in made:
-            for leftover in (path, path + "-wal", path + "-shm"):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+            os.remove(path)
         raise
 
 
@@ -845,12 +842,9 @@ def check_ticks(issued_at, now):
 
 def _open(path, application_ids):
     """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
-    keys on, autocommit (transaction() begins).  A missing file is never created (mode=rw).
-    Another kind of file or schema version raises before anything is written, and so do the few
-    things SQLite would take silently (_check_file).  Whatever SQLite refuses, here or at any
-    later statement (a -wal or -shm this process may not write, a full disk), raises once with
-    the path in front (_Connection).  A -wal that is not this file's (copied in beside it) is
-    SQLite's to apply, whatever its kind."""
+    keys, autocommit (transaction() begins).  A missing file is never created; another kind or
+    schema version, and what _check_file refuses, raise before anything is written; every
+    SQLite error names the path (_Connection).  A -wal copied in beside it is SQLite's to apply."""
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
         "#", "%23") + "?mode=rw"
@@ -874,8 +868,7 @@ def _open(path, application_ids):
 
 
 class _Connection(sqlite3.Connection):
-    """What connect() returns: a sqlite3 connection whose errors name its file, once, as SQLite
-    decides them at each statement (the file, its -wal or its -shm read-only, a full disk)."""
+    """A sqlite3 connection whose errors name its file, once, as SQLite decides them."""
 
     def execute(self, sql, parameters=()):
         try:
@@ -894,77 +887,66 @@ def _check_kind(connection, application_ids):
     # Schema 1 kept the kind in user_version: such a file is refused as schema 1.
     if kind == 0 and version in application_ids:
         kind, version = version, 1
-    if kind not in application_ids:
-        raise sqlite3.DatabaseError(f"{connection.path}: not a database of this module"
-                                    f" (application_id {kind})")
-    if version != SCHEMA_VERSION:
-        raise sqlite3.DatabaseError(f"{connection.path}: schema version {version}, but this code"
-                                    f" needs {SCHEMA_VERSION}")
+    if kind not in application_ids or version != SCHEMA_VERSION:
+        raise sqlite3.DatabaseError(f"{connection.path}: " + (
+            f"not a database of this module (application_id {kind})" if kind not in
+            application_ids else f"schema version {version}, but this code needs"
+            f" {SCHEMA_VERSION}"))
 
 
 def _check_file(path):
     """What SQLite would take silently, refused naming the path before it opens the file."""
     try:
         found = os.stat(path)
+    # Missing or out of reach: SQLite says so.
     except OSError:
-        found = None
-    # Missing, out of reach or no regular file: SQLite says so.
-    if found is None or not stat.S_ISREG(found.st_mode):
         return
     # SQLite keeps a -wal for each name of a file: through a second name, commits could be lost.
-    if found.st_nlink > 1:
+    if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link), and"
                       " each name would keep its own -wal", path)
-    # SQLite would open it read-only and make a -wal and -shm that its owner may not write.
-    if not os.access(path, os.R_OK | os.W_OK):
+    # SQLite would open it read-only, and make a -wal and -shm its owner may not write.
+    if stat.S_ISREG(found.st_mode) and not os.access(path, os.R_OK | os.W_OK):
         raise PermissionError(errno.EACCES, "the database is not writable by this process",
                               path)
-    # Beside the file a link names: a FIFO, device or folder there would fail every commit with
-    # a bare "disk I/O error" or "readonly database", and SQLite would delete it on closing.
+    # Beside the file a link names: a FIFO, device or folder there would fail every commit, or
+    # hang, and SQLite would delete it on closing.
     for companion in (os.path.realpath(path) + "-wal", os.path.realpath(path) + "-shm"):
         try:
-            mode = os.lstat(companion).st_mode
+            if not stat.S_ISREG(os.lstat(companion).st_mode):
+                raise OSError(errno.EINVAL, "SQLite's -wal and -shm must be regular files",
+                              companion)
         except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "SQLite's -wal and -shm must be regular files",
-                          companion)
+            pass
 
 
 def _create(path, application_id, schema, fill=None):
-    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), at once.
-
-    Never overwrites: an existing file, or a journal an earlier file left, raises
-    FileExistsError.  On failure the files it made are removed again.
-    """
+    """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), whole
+    or not at all; never over a file or a journal an earlier one left (FileExistsError)."""
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)
     # O_EXCL: of two inits, one wins.
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    connection = None
     try:
         connection = sqlite3.connect(path, isolation_level=None)
-        connection.execute("PRAGMA journal_mode=WAL")
-        with transaction(connection):
-            for statement in schema:
-                connection.execute(statement)
-            if fill is not None:
-                fill(connection)
-            # The markers commit with the schema, so connect() never accepts a half-built file.
-            connection.execute(f"PRAGMA application_id = {int(application_id)}")
-            connection.execute(f"PRAGMA user_version = {int(SCHEMA_VERSION)}")
-    except BaseException:
-        if connection is not None:
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            with transaction(connection):
+                for statement in schema:
+                    connection.execute(statement)
+                if fill is not None:
+                    fill(connection)
+                # The markers commit with the schema: connect() never takes a half-built file.
+                connection.execute(f"PRAGMA application_id = {int(application_id)}")
+                connection.execute(f"PRAGMA user_version = {int(SCHEMA_VERSION)}")
+        finally:
             connection.close()
-            connection = None
+    except BaseException:
         for leftover in (path, path + "-wal", path + "-shm"):
             if os.path.exists(leftover):
                 os.remove(leftover)
         raise
-    finally:
-        if connection is not None:
-            connection.close()
 
 
 

@@ -8,18 +8,15 @@
   python3 run_experiment.py --json           the deterministic results on stdout
   python3 run_experiment.py --output FILE    the deterministic results written to FILE
   python3 run_experiment.py --download 1 DIR article 1's five files in DIR (7: article 7's)
+  python3 run_experiment.py reliability FUNCTION ARG...  one call by hand (see step())
 
-Every scenario starts in a fresh temporary directory.  Crashes are real: a child process calls
-os._exit at a named boundary, and what survives is read back from the SQLite files by another
-process.  Results hold statuses, exit codes, counts, quantities, revisions, digests and ids,
-never paths, pids or timings, so a rerun reproduces them byte for byte.  Each module is
-optional: with only reliability.py (article 1's download) or only preconditions.py (article
-7's), only its scenarios run and only they are compared; --download writes such a folder, its
-results.json holding that article's results alone, so that --output reproduces it byte for byte.
-Exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted:
-Ctrl-C, SIGTERM or SIGHUP (an interrupt to its process group stops it even where a
-background start ignores SIGINT), one line on stderr, its workers killed and reaped and its
-folder removed first.
+Every scenario starts in a fresh temporary directory.  Crashes are real: a forked child calls
+os._exit at a named boundary, and another process reads back what survived in the SQLite
+files.  Results hold statuses, exit codes, counts, quantities, revisions, digests and ids,
+never paths, pids or timings, so a rerun reproduces them byte for byte.  With only one
+article's module here (its download), only its scenarios run and are compared.  Exit status:
+0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted: Ctrl-C, SIGTERM
+or SIGHUP, one line on stderr, every child killed and its folder removed first.
 """
 import sys
 
@@ -30,7 +27,6 @@ if sys.version_info < (3, 9):
 
 import argparse
 import contextlib
-import errno
 import inspect
 import json
 import os
@@ -39,7 +35,6 @@ import select
 import shutil
 import signal
 import sqlite3
-import subprocess
 import tempfile
 import threading
 import time
@@ -61,11 +56,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
 # Seconds: only stops a hung child, never paces a scenario.
 WATCHDOG = 60.0
-# Worker processes sharing the scenarios: they mostly wait on children and fsync.
-JOBS = 3
-# The write end of a pipe every process of a run's workers holds, and no other: its read end
-# sees EOF once each of them has ended (see collect).  None outside a run with workers.
-LIFELINE = None
 # What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
 STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
               if hasattr(signal, name))
@@ -94,8 +84,6 @@ PAYLOAD = {"title": "Synthetic documentation ticket", "body": "No real service i
 PLAN = {"src": "A", "dst": "B", "amount": 3, "expected": {"A": 1, "B": 1}}
 # name -> (group, description, function), in article order, for the modules present.
 SCENARIOS = {}
-# (boundary, mode) -> the article scenario that already is that crash-matrix cell.
-COVERS = {}
 HEADINGS = {
     "article_1": "Article 1: the tool did the work but the receipt was lost",
     "open_ends": "Beyond article 1: leaving unknown, and receipts that are not kept forever",
@@ -119,14 +107,11 @@ def article_of(group, name=""):
     return "7" if group == "article_7" or name.startswith("preconditions/") else "1"
 
 
-def scenario(article, description, cell=None):
-    """Register a scenario if its module is present; ``cell=(boundary, mode)`` says it doubles
-    as that crash-matrix cell."""
+def scenario(article, description):
+    """Register a scenario if its module is present."""
     def register(function):
         if module_of(article) is not None:
             SCENARIOS[function.__name__] = (article, description, function)
-            if cell:
-                COVERS[cell] = function.__name__
         return function
     return register
 
@@ -137,7 +122,7 @@ def scenario(article, description, cell=None):
 # return its console line's figures; summary() says the rest.
 
 @scenario("article_1", "naive receiver commits, reply lost; the retry at tick 11 issues a"
-          " second ticket", cell=("after_receiver_commit", "naive"))
+          " second ticket")
 def naive_lost_ack(run):
     final = lost_ack(run, "naive")
     run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"],
@@ -145,7 +130,7 @@ def naive_lost_ack(run):
 
 
 @scenario("article_1", "sender records done before sending and dies: the ticket is never"
-          " created", cell=("after_mark_before_send", "mark_before"))
+          " created")
 def mark_before_send_loses_task(run):
     enqueue(run, "mark_before")
     observe(run, "after_crash", sender_child(run, "unsafe_dispatch_mark_before", 0,
@@ -156,7 +141,7 @@ def mark_before_send_loses_task(run):
 
 
 @scenario("article_1", "idempotent receiver commits, reply lost; the replay returns the same"
-          " ticket", cell=("after_receiver_commit", "idempotent"))
+          " ticket")
 def idempotent_lost_ack(run):
     final = lost_ack(run, "idempotent")
     run.expect("tickets", (run.stages["after_lost_ack"]["receiver_tickets"],
@@ -165,19 +150,18 @@ def idempotent_lost_ack(run):
 
 
 @scenario("article_1", "enqueue dies before COMMIT: nothing was accepted; the upstream retry"
-          " delivers once", cell=("before_intent_commit", "idempotent"))
+          " delivers once")
 def before_intent_commit(run):
     enqueue_crash(run, "before_intent_commit", kept=("absent", 0), retry="accepted")
 
 
 @scenario("article_1", "enqueue dies after COMMIT, caller never heard 'accepted': the retry"
-          " adds no row", cell=("after_intent_commit", "idempotent"))
+          " adds no row")
 def after_intent_commit(run):
     enqueue_crash(run, "after_intent_commit", kept=("pending", 1), retry="duplicate")
 
 
-@scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers",
-          cell=("after_claim", "idempotent"))
+@scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers")
 def after_claim(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
@@ -190,7 +174,7 @@ def after_claim(run):
 
 
 @scenario("article_1", "receiver dies before COMMIT: SQLite recovery drops ticket and receipt"
-          " together", cell=("before_receiver_commit", "idempotent"))
+          " together")
 def before_receiver_commit(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "before_receiver_commit"))
@@ -201,7 +185,7 @@ def before_receiver_commit(run):
 
 
 @scenario("article_1", "reply flushed to the pipe, then the receiver exits 73: the reply still"
-          " counts", cell=("after_response_write", "idempotent"))
+          " counts")
 def after_response_write(run):
     enqueue(run)
     first = observe(run, "after_crash", dispatch(run, 0, "after_response_write"))
@@ -212,7 +196,7 @@ def after_response_write(run):
 
 
 @scenario("article_1", "sender read the reply but died before recording it: the replay returns"
-          " it again", cell=("after_response_before_ack", "idempotent"))
+          " it again")
 def after_response_before_ack(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
@@ -224,8 +208,7 @@ def after_response_before_ack(run):
                + (final["response"]["ticket_id"],), ("done", 2, 1, 1))
 
 
-@scenario("article_1", "sender dies after recording done: the restart sends nothing",
-          cell=("after_ack", "idempotent"))
+@scenario("article_1", "sender dies after recording done: the restart sends nothing")
 def after_ack(run):
     enqueue(run)
     first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
@@ -268,27 +251,15 @@ def concurrent_claim(run):
             f"{[w['attempt'] for w in winners]}")
     codes = [child.returncode for child in children]
     observe(run, "after_race", codes)["released_together"] = released
-    with _connections(run, reliability.SENDER) as (connection,):
+    with opened(run, reliability.SENDER) as (connection,):
         current = reliability.claim(connection, 11)
     run.log("recovery", f"tick 11: lease expired, claimed attempt {current['attempt']}")
-    launch = tool_launcher(run)
-    try:
-        with _connections(run, reliability.SENDER) as (connection,):
-            stale = reliability.deliver(connection, run.root, dict(winners[0], now=11),
-                                        start=launch)
-    finally:
-        heard(launch.started, "child")
-    code = stale["exit_code"]
+    stale = delivered(run, reliability.deliver, dict(winners[0], now=11))
     refused = "accepted" if stale["acknowledged"] else "refused"
     run.log("sender", f"old attempt 1 delivers late: receiver answered, acknowledgement"
             f" {refused}")
-    observe(run, "after_stale_ack", [code])
-    launch = tool_launcher(run)
-    try:
-        with _connections(run, reliability.SENDER) as (connection,):
-            result = reliability.deliver(connection, run.root, current, start=launch)
-    finally:
-        heard(launch.started, "child")
+    observe(run, "after_stale_ack", [stale["exit_code"]])
+    result = delivered(run, reliability.deliver, current)
     done = "recorded done" if result["acknowledged"] else "refused"
     run.log("recovery", f"attempt {current['attempt']} delivers: ticket"
             f" {result['response']['ticket_id']}, {done}")
@@ -324,8 +295,7 @@ def concurrent_receiver(run):
             f" {final['receiver_receipts']} receipt, {len(responses)} distinct answer")
 
 
-@scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry",
-          cell=("before_external_effect", "external"))
+@scenario("article_1", "non-idempotent tool dies before acting: unknown, no automatic retry")
 def before_external_effect(run):
     external_crash(run, "before_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
@@ -334,7 +304,7 @@ def before_external_effect(run):
 
 
 @scenario("article_1", "non-idempotent tool dies after acting: unknown too, the sender cannot"
-          " tell", cell=("after_external_effect", "external"))
+          " tell")
 def after_external_effect(run):
     external_crash(run, "after_external_effect")
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
@@ -346,13 +316,7 @@ def after_external_effect(run):
           " tickets")
 def unsafe_external_retry(run):
     external_crash(run, "after_external_effect")
-    launch = tool_launcher(run)
-    try:
-        with _connections(run, reliability.SENDER) as (connection,):
-            answer, code, _ = reliability.unsafe_retry_unknown(connection, run.root, CALLER,
-                                                               KEY, start=launch)
-    finally:
-        heard(launch.started, "child")
+    answer, code, _ = delivered(run, reliability.unsafe_retry_unknown, CALLER, KEY)
     run.log("recovery", f"UNSAFE: called the external tool again despite unknown: ticket"
             f" {answer['ticket_id']}")
     run.inject("forced retry")
@@ -400,14 +364,6 @@ def pick(observation, *names):
     return tuple(observation[name] for name in names)
 
 
-@contextlib.contextmanager
-def _connections(run, *names):
-    """The named databases of the scenario's root, open for the with block."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(contextlib.closing(
-            reliability.connect(os.path.join(run.root, name)))) for name in names]
-
-
 def observe(run, stage, exit_codes=()):
     """Record what the three databases hold now for the scenario's request."""
     seen = {}
@@ -437,7 +393,7 @@ def observe(run, stage, exit_codes=()):
 def enqueue(run, mode="idempotent", lane="sender", payload=PAYLOAD):
     """The intent; modes "naive" and "mark_before" are idempotent intents that an UNSAFE
     receiver or an UNSAFE sender will handle."""
-    with _connections(run, reliability.SENDER) as (connection,):
+    with opened(run, reliability.SENDER) as (connection,):
         status = reliability.enqueue(connection, CALLER, KEY, payload, now=0,
                                      mode="external" if mode == "external" else "idempotent")
     run.mode = mode
@@ -450,7 +406,7 @@ def dispatch(run, now, crash=None, lane="sender"):
     returns the child's exit codes."""
     launch, result = tool_launcher(run, crash, naive=run.mode == "naive"), None
     try:
-        with _connections(run, reliability.SENDER) as (connection,):
+        with opened(run, reliability.SENDER) as (connection,):
             result = reliability.dispatch(connection, run.root, now, start=launch)
     finally:
         if result is not None:
@@ -474,6 +430,25 @@ def dispatch(run, now, crash=None, lane="sender"):
     return [result["exit_code"]]
 
 
+@contextlib.contextmanager
+def opened(run, *names):
+    """The named databases of the scenario's folder, open for the with block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(contextlib.closing(
+            reliability.connect(os.path.join(run.root, name)))) for name in names]
+
+
+def delivered(run, act, *args):
+    """reliability's ``act`` on sender.db in this process, with the run's tool children; what
+    they said goes into its timeline."""
+    launch = tool_launcher(run)
+    try:
+        with opened(run, reliability.SENDER) as (connection,):
+            return act(connection, run.root, *args, start=launch)
+    finally:
+        heard(launch.started, "child")
+
+
 def sender_child(run, act, *args, crash):
     """A sender that dies for real: reliability's ``act`` in a child process armed at
     ``crash``."""
@@ -489,7 +464,7 @@ def sender_child(run, act, *args, crash):
           " no second call")
 def reconcile_found(run):
     external_crash(run, "after_external_effect")
-    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
+    with opened(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         result = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 11: reconcile looks the key up in the tool: {result['status']}")
     run.inject("reconcile")
@@ -504,7 +479,7 @@ def reconcile_found(run):
           " retried once")
 def reconcile_absent(run):
     external_crash(run, "before_external_effect")
-    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
+    with opened(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         early = reliability.reconcile(sender, tool, CALLER, KEY, 5)
         late = reliability.reconcile(sender, tool, CALLER, KEY, 11)
     run.log("recovery", f"tick 5: reconcile says {early['status']} (the lease runs to tick 10)")
@@ -522,7 +497,7 @@ def reconcile_absent(run):
           " transaction, never rewritten")
 def manual_resolution(run):
     external_crash(run, "after_external_effect")
-    with _connections(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
+    with opened(run, reliability.SENDER, reliability.EXTERNAL) as (sender, tool):
         evidence = reliability.lookup_external(tool, CALLER, KEY)[0]
         # The attempt the operator looks at: the decision is about that one.
         attempt = next(row["attempts"] for row in reliability.snapshot(sender)["outbox"]
@@ -566,7 +541,7 @@ def late_replay_without_policy(run):
 def late_replay(run, purge):
     enqueue(run)
     observe(run, "after_lost_ack", dispatch(run, 0, "after_receiver_commit"))
-    with _connections(run, reliability.RECEIVER) as (receiver,):
+    with opened(run, reliability.RECEIVER) as (receiver,):
         purged = purge(receiver)
     run.log("receiver", f"tick 100: receipts older than tick 50 deleted: {purged}")
     run.inject("purge" if "low_water" in purged else "receipts deleted")
@@ -810,10 +785,9 @@ def paused_child(run, unsafe=False):
 
 
 def race_in_threads(db, ops):
-    """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan.
-
-    They start together: each waits at a barrier until all 8 have connected.  Returns the
-    statuses counted, and how many threads the barrier released together.
+    """8 threads, each with its own connection, submit ``ops`` with the same snapshot's plan,
+    started together at a barrier once all 8 have connected: the statuses counted, and how
+    many threads the barrier released together.
     """
     statuses, released, lock = [], [], threading.Lock()
     # The time-out only stops a hung run.
@@ -865,15 +839,12 @@ def delivery_cell(run, boundary, mode):
         else:
             codes = sender_child(run, owner, 0, crash=boundary)
     dispatch(run, 11, lane="recovery")
-    run.stages[mode] = as_cell(mode, codes, observe(run, f"{mode}", codes))
+    final = observe(run, mode, codes)
+    # The cell: the crash's exit code and what the recovery left.
+    run.stages[mode] = {"exit_code": codes[0], "sender_state": final["sender_state"],
+                        "attempts": final["attempts"], "tickets": final[
+                            "external_tickets" if mode == "external" else "receiver_tickets"]}
     expect_cell(run, mode, run.stages[mode])
-
-
-def as_cell(mode, codes, final):
-    """A matrix cell: the crash's exit code and what the last observation holds."""
-    tickets = final["external_tickets" if mode == "external" else "receiver_tickets"]
-    return {"exit_code": codes[0], "sender_state": final["sender_state"],
-            "attempts": final["attempts"], "tickets": tickets}
 
 
 def expect_cell(run, mode, cell):
@@ -925,12 +896,9 @@ def _matrix_scenario(function, boundary, variants):
     return cells
 
 
-for _boundary in (BOUNDARIES if reliability is not None else ()):
-    # A cell an article scenario already is comes from that run (see merge_cells), not a
-    # second one.
-    _modes = [mode for mode in BOUNDARIES[_boundary][1] if (_boundary, mode) not in COVERS]
+for _boundary, (_, _modes) in (BOUNDARIES.items() if reliability is not None else ()):
     SCENARIOS[f"reliability/{_boundary}"] = (
-        "crash_matrix", f"crash at {_boundary}: " + ", ".join(BOUNDARIES[_boundary][1]),
+        "crash_matrix", f"crash at {_boundary}: " + ", ".join(_modes),
         _matrix_scenario(delivery_cell, _boundary, _modes))
 for _boundary in EXIT_CODES:
     # Only the commit of a stored rejection passes after_commit on the stale path.
@@ -940,30 +908,7 @@ for _boundary in EXIT_CODES:
         _matrix_scenario(transfer_cell, _boundary, _kinds))
 
 
-def merge_cells(runs):
-    """Fill each matrix row with the cells its covering article scenarios observed, checked
-    alike."""
-    by_name = {run.name: run for run in runs}
-    for (boundary, mode), name in COVERS.items():
-        row, source = by_name.get(f"reliability/{boundary}"), by_name.get(name)
-        if row is None or source is None:
-            continue
-        stages = list(source.stages.values())
-        if not stages or not stages[0].get("exit_codes"):
-            row.failures.append(f"{mode}: {name} observed no crash")
-            continue
-        cell = as_cell(mode, stages[0]["exit_codes"], stages[-1])
-        expect_cell(row, mode, cell)
-        row.stages[mode] = cell
-        row.log("matrix", f"{mode} cell from scenario {name}")
-    for run in runs:
-        if run.name.startswith("reliability/"):
-            order = BOUNDARIES[run.name.split("/", 1)[1]][1]
-            run.stages = {mode: run.stages[mode] for mode in order if mode in run.stages}
-    return runs
-
-
-# --- the runner: one scenario in its own folder, and the workers that share them -----------
+# --- the runner: each scenario in a folder of its own, one after another ---------------------
 
 class Run:
     """A scenario's directory, its observed stages, its invariant failures and its timeline."""
@@ -1044,133 +989,16 @@ def reader(path):
     return contextlib.closing(sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None))
 
 
-def run_all(names, jobs=JOBS):
-    """Run scenarios and return their Runs in the order of ``names``."""
-    return collect(start_all(names, jobs))
-
-
-def start_all(names, jobs=JOBS):
-    """Start running scenarios and return at once; collect() waits and returns the Runs.
-
-    With fork, ``jobs`` single-threaded worker processes share the scenarios (each
-    scenario owns its directory and children, so sharing changes no result);
-    otherwise they run here, one after another, before this returns.
-    """
-    global LIFELINE
-    pending = {"base": tempfile.mkdtemp(prefix="reliability-experiment-"), "names": list(names),
-               "workers": [], "runs": None, "lifeline": None}
+def run_all(names):
+    """Run scenarios one after another, each in a folder of its own under one temporary folder,
+    which goes once they have; their Runs, in the order of ``names``."""
+    base = tempfile.mkdtemp(prefix="reliability-experiment-")
     try:
         if reliability is not None:
-            reliability.init(os.path.join(pending["base"], "template"))
-        if jobs < 2 or len(names) < 2:
-            pending["runs"] = [run_scenario(name, pending["base"]) for name in names]
-        else:
-            pending["lifeline"], LIFELINE = os.pipe()
-            for _ in range(min(jobs, len(names))):
-                # A stop waits from the fork to the bookkeeping: an unrecorded worker would run on.
-                with stops_held():
-                    pending["workers"].append(fork_json(_work, pending["names"], pending["base"]))
-                    # Each worker leads a process group of its own, which its children join:
-                    # set here as in the worker, so that a stop never finds it unset.
-                    with contextlib.suppress(OSError):
-                        os.setpgid(pending["workers"][-1][0], 0)
-    except BaseException:
-        # Interrupted or failed while starting: the workers started so far go too.
-        for pid, _ in pending["workers"]:
-            os.killpg(pid, signal.SIGKILL)
-        collect(pending)
-        raise
+            reliability.init(os.path.join(base, "template"))
+        return [run_scenario(name, base) for name in names]
     finally:
-        # Only the workers and their children hold it now.
-        if LIFELINE is not None:
-            os.close(LIFELINE)
-            LIFELINE = None
-    return pending
-
-
-def _work(names, base):
-    # Each worker runs the scenarios it is first to claim (one O_EXCL file each), so the
-    # workers finish together however unequal the scenarios are.
-    os.setpgid(0, 0)
-    runs = {}
-    for name in names:
-        try:
-            os.close(os.open(os.path.join(base, "claimed-" + name.replace("/", "-")),
-                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue
-        run = run_scenario(name, base)
-        # A copy, taken while the run is alive: CPython 3.13.0 can empty the __dict__ a run
-        # shares with its attributes once the garbage collector clears the run.
-        runs[name] = dict(vars(run))
-    return runs
-
-
-def collect(pending):
-    """Wait for the workers of start_all(), reap them, remove the directory; return the Runs.
-
-    Interrupted (KeyboardInterrupt), it kills every worker first, with the children it started
-    (its process group).  Either way the directory goes only once every process of the run has
-    ended (the lifeline's EOF), so that none writes into it after, or outlives the driver.  A
-    worker that Ctrl-C, SIGTERM or SIGHUP ended was interrupted with the run, which then raises
-    KeyboardInterrupt too: its scenarios did not fail, the run was stopped.
-    """
-    readers = {reader for _, reader in pending["workers"]}
-    stopped = False
-    try:
-        if pending["runs"] is None:
-            finished = {}
-            for _, reader in pending["workers"]:
-                readers.discard(reader)
-                with os.fdopen(reader, encoding="utf-8") as pipe:
-                    text = pipe.read()
-                try:
-                    finished.update(json.loads(text))
-                # The worker died or failed: the scenarios it held say so below.
-                except ValueError:
-                    pass
-            lost = {"failures": ["its worker died or failed before reporting (a traceback, if"
-                                 " any, is above)"]}
-            pending["runs"] = [_revive(name, finished.get(name, lost))
-                               for name in pending["names"]]
-        runs = merge_cells(pending["runs"])
-    except BaseException:
-        # Interrupted before every worker reported (a SIGTERM may have reached this process
-        # alone): none of them, and none of their children, runs on.
-        for pid, _ in pending["workers"]:
-            os.killpg(pid, signal.SIGKILL)
-        raise
-    finally:
-        # Whatever happened, and uninterrupted: each worker reaped, then the directory goes.
-        with stops_held():
-            # Unread after an error: closing it lets a blocked worker end.
-            for reader in readers:
-                os.close(reader)
-            for pid, _ in pending["workers"]:
-                # Ended, not yet reaped, so that its pid still names its group: what is left
-                # of the group goes with it.
-                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                stopped |= -os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) in STOPS
-            pending["workers"] = []
-            if pending["lifeline"] is not None:
-                # EOF once the last process that held the lifeline has ended.
-                while os.read(pending["lifeline"], 1):
-                    pass
-                os.close(pending["lifeline"])
-                pending["lifeline"] = None
-            shutil.rmtree(pending["base"], ignore_errors=True)
-    if stopped:
-        raise KeyboardInterrupt
-    return runs
-
-
-def _revive(name, state):
-    run = Run(name, state.get("dir", ""))
-    run.__dict__.update(state)
-    run.events = [tuple(event) for event in run.events]
-    return run
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # --- processes -------------------------------------------------------------------------------
@@ -1182,17 +1010,16 @@ def spawn(run, main, *args):
     """Fork a child that runs ``main(*args)`` and exits with what it returns; with ``run``, what
     it says on stderr goes to a file of that run, for heard(), else where this process's goes."""
     if run is None:
-        child = fork_child(main, args)
-    else:
-        run.spawned += 1
-        said = os.path.join(run.dir, f"stderr-{run.spawned}")
-        stderr = os.open(said, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            child = fork_child(main, args, stderr=stderr)
-        finally:
-            # The child has its own copy.
-            os.close(stderr)
-        child.run, child.said = run, said
+        return fork_child(main, args)
+    run.spawned += 1
+    said = os.path.join(run.dir, f"stderr-{run.spawned}")
+    stderr = os.open(said, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        child = fork_child(main, args, stderr=stderr, group=True)
+    finally:
+        # The child has its own copy.
+        os.close(stderr)
+    child.run, child.said = run, said
     return child
 
 
@@ -1346,27 +1173,23 @@ def run_child(run, function, *args, crash=None):
 
 class ForkedChild:
     """Just enough of subprocess.Popen for a forked child: readline, send, communicate, kill,
-    wait."""
+    wait; with ``group``, kill() ends the process group it leads."""
 
-    def __init__(self, pid, stdin_fd, stdout_fd, args):
-        self.pid, self.args, self.returncode = pid, args, None
+    def __init__(self, pid, stdin_fd, stdout_fd, args, group):
+        self.pid, self.args, self.group, self.returncode = pid, args, group, None
         self._stdin, self._stdout, self._buffer = stdin_fd, stdout_fd, b""
         self.run = self.said = None
 
-    def _close(self, name):
-        fd = getattr(self, name)
-        if fd is not None:
-            os.close(fd)
-            setattr(self, name, None)
-
     def _read(self, deadline):
+        """More of its stdout into the buffer; at its end, stdout is closed (None)."""
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not select.select([self._stdout], [], [], remaining)[0]:
             raise TimeoutError(f"{self.args} said nothing for {WATCHDOG} s")
         data = os.read(self._stdout, 65536)
-        if not data:
-            self._close("_stdout")
         self._buffer += data
+        if not data:
+            os.close(self._stdout)
+            self._stdout = None
 
     def readline(self, timeout=WATCHDOG):
         deadline = time.monotonic() + timeout
@@ -1379,26 +1202,23 @@ class ForkedChild:
         os.write(self._stdin, text.encode("utf-8"))
 
     def communicate(self, input=None, timeout=None):
-        """Bytes in, bytes out, as a binary subprocess.Popen's."""
+        """Bytes in (far below a pipe's buffer), bytes out; (output, exit code)."""
         if self._stdin is not None:
-            try:
-                if input:
-                    # Requests are far below a pipe's buffer.
-                    os.write(self._stdin, input)
-            except BrokenPipeError:
-                # The child died before reading: its exit code tells.
-                pass
-            self._close("_stdin")
+            # The child may have died before reading: its exit code tells.
+            with contextlib.suppress(BrokenPipeError):
+                os.write(self._stdin, input or b"")
+            os.close(self._stdin)
+            self._stdin = None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._stdout is not None:
             self._read(deadline)
         output, self._buffer = self._buffer, b""
-        self.wait()
-        return output, None
+        return output, self.wait()
 
     def kill(self):
+        # Not reaped yet, so its pid still names it and the group it leads.
         if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
+            (os.killpg if self.group else os.kill)(self.pid, signal.SIGKILL)
 
     def wait(self):
         if self.returncode is None:
@@ -1406,24 +1226,25 @@ class ForkedChild:
         return self.returncode
 
 
-def fork_child(main, args, keep=(), stderr=None):
-    """Fork a child that runs ``main(*args)`` with pipes on its stdin and stdout and exits with
-    what it returns; ``stderr``, a descriptor, becomes its stderr.  Call it only while this
-    process holds no SQLite connection to a file the child opens: SQLite's per-process lock
-    bookkeeping must not be copied into a child."""
+def fork_child(main, args, keep=(), stderr=None, group=False):
+    """Fork a child that runs ``main(*args)`` on piped stdin and stdout, ``stderr`` (a
+    descriptor) its stderr; with ``group`` it leads a process group that kill() ends whole.
+    Never while this process holds a connection to a file the child opens: SQLite's lock
+    records must not be copied into a child."""
     stdin_r, stdin_w = os.pipe()
     stdout_r, stdout_w = os.pipe()
 
     def child():
+        if group:
+            os.setpgid(0, 0)
         os.dup2(stdin_r, 0)
         os.dup2(stdout_w, 1)
         if stderr is not None:
             os.dup2(stderr, 2)
-        # Nothing of the parent's stays open here but ``keep`` and the run's lifeline: not the
-        # pipes of its other children (their EOF would wait for this one), nor a writer queue a
-        # dead parent held.
+        # Nothing of the parent's stays open here but ``keep``: not the pipes of its other
+        # children (their EOF would wait for this one), nor a writer queue a dead parent held.
         low = 3
-        for fd in sorted({*keep, LIFELINE} - {None}):
+        for fd in sorted(keep):
             os.closerange(low, fd)
             low = fd + 1
         os.closerange(low, os.sysconf("SC_OPEN_MAX"))
@@ -1431,17 +1252,19 @@ def fork_child(main, args, keep=(), stderr=None):
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
         return main(*args)
     pid = fork(child)
+    if group:
+        # Set here too, so that a kill at once finds the group: the child may not have run yet.
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)
     os.close(stdin_r)
     os.close(stdout_w)
-    return ForkedChild(pid, stdin_w, stdout_r, [main.__name__, *args])
+    return ForkedChild(pid, stdin_w, stdout_r, [main.__name__, *args], group)
 
 
 def stop_on_signals():
-    """At the command line only (tests call main() without it): each of STOPS raises
-    KeyboardInterrupt once, the next ones ignored, so the cleanup runs to its end and main()
-    says one line.  SIGINT stops the run even where a background start ignores it (its forked
-    children would die of it otherwise); a SIGTERM or SIGHUP that is ignored (nohup) stays
-    ignored."""
+    """At the command line only: each of STOPS raises KeyboardInterrupt once, the next ones
+    ignored, so the cleanup runs to its end and main() says one line; SIGINT even where a
+    background start ignores it, a SIGTERM or SIGHUP that is ignored (nohup) stays ignored."""
     def stop(number, frame):
         for each in STOPS:
             signal.signal(each, signal.SIG_IGN)
@@ -1465,11 +1288,9 @@ def stops_held():
 
 
 def fork(child):
-    """Fork a child that runs ``child()`` and exits with the code it returns, never returning
-    into the caller: 1 if it raises (its traceback on stderr, which os._exit would swallow).
-    In the child Ctrl-C ends it quietly (the driver reports), and its random numbers are
-    its own, so that siblings do not share the parent's back-off sequence.  SIGTERM and SIGHUP
-    end it quietly too, unless its parent ignores them (nohup)."""
+    """Fork a child that runs ``child()`` and exits as sys.exit(child()) would, never returning
+    into the caller; 1 and its traceback if it raises.  Stops end it quietly (the driver
+    reports; nohup's stay ignored), and its random numbers are its own."""
     # Or the child would print what is buffered again.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1516,9 +1337,15 @@ def run_forked(function, *args):
     """``function(*args)`` in a forked child, waited for; its JSON result (RuntimeError if it
     failed)."""
     pid, reader = fork_json(function, *args)
-    with os.fdopen(reader, encoding="utf-8") as pipe:
-        text = pipe.read()
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        with os.fdopen(reader, encoding="utf-8") as pipe:
+            text = pipe.read()
+    except BaseException:
+        # Interrupted: it goes too.
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if code != 0:
         raise RuntimeError(f"{function.__name__} failed in a forked child (exit {code})")
     return json.loads(text)
@@ -1571,7 +1398,7 @@ def differences(expected, observed):
             for key in sorted(set(left) | set(right)) if text(left, key) != text(right, key)]
 
 
-def summary(run, arrow="→"):
+def summary(run):
     """The figures a reader compares with the article's table, from the last observation."""
     stages = list(run.stages.values())
     if not stages:
@@ -1586,7 +1413,7 @@ def summary(run, arrow="→"):
     if "receiver_tickets" in last:
         counted = "external_tickets" if run.mode == "external" else "receiver_tickets"
         which = "external tickets" if counted == "external_tickets" else "tickets"
-        return (f"{which} {first[counted]} {arrow} {last[counted]}, {last['sender_state']},"
+        return (f"{which} {first[counted]} → {last[counted]}, {last['sender_state']},"
                 f" attempts {last['attempts']}")
     quantities = ", ".join(f"{n} = {q}" for n, q in last["quantities"].items())
     status = last.get("statuses") or last.get("status")
@@ -1706,10 +1533,6 @@ def _main(argv):
     if args.explain:
         return explain(run_all([args.explain])[0])
     names = args.only or names
-    # A matrix row's covered cells come from these runs.
-    for (boundary, _), name in COVERS.items():
-        if f"reliability/{boundary}" in names and name not in names:
-            names.append(name)
     # In article order, whatever the command line's.
     names = [name for name in SCENARIOS if name in names]
     versions(sys.stderr)
@@ -1752,9 +1575,8 @@ def _main(argv):
 
 
 def absent(expected, out):
-    """Say where the results compared with (default: results.json next to this script) hold an
-    article whose module is not here, as the project's whole file does in a folder of one
-    article's files copied by hand: those were not run, and --output writes without them."""
+    """Say where the results compared with (default: results.json here) hold an article whose
+    module is not here, as in one article's files copied by hand beside the project's."""
     if expected is None:
         try:
             with open(RESULTS, encoding="utf-8") as handle:
@@ -1773,12 +1595,10 @@ def absent(expected, out):
 
 
 def download(article, folder):
-    """Article ``article``'s five files into ``folder``: its module and tests, this driver,
-    README.md, and results.json holding that article's results alone.  ``folder`` must be new
-    or an empty folder, never overwritten: the files are written into a temporary folder beside
-    it, which is renamed to it at the end, so that a download that fails (a full disk) leaves
-    nothing behind to block the next one.  A refusal is one line: exit 2 for a folder that
-    cannot be used, 1 for one that could not be written."""
+    """Article ``article``'s five files into ``folder``, new or empty, never overwritten: its
+    module and tests, this driver, README.md, and results.json of that article alone, written
+    beside it and renamed to it at the end, so that a failure (a full disk) leaves nothing to
+    block the next.  Refused in one line: exit 2 for a folder it cannot use, 1 unwritten."""
     if article not in DOWNLOADS:
         refuse(f"--download {article}: the articles here are {' and '.join(DOWNLOADS)}")
     names = (DOWNLOADS[article][0], "run_experiment.py", DOWNLOADS[article][1], "README.md")
@@ -1845,21 +1665,17 @@ CONNECTIONS = {"connection", "c", "tool"}
 
 def step(argv):
     """``run_experiment.py reliability|preconditions FUNCTION ARG... [--NAME VALUE]...``: one
-    call of one of the module's public functions, as the README's walk-throughs step by hand.
-    A connection argument names its database file, opened with the module's connect(); JSON
-    and int parameters are parsed, the rest is text; issued_at defaults to now; --crash
-    BOUNDARY arms the process there, and a tool child's boundary goes on to the tool child.
-    What the function returns is one JSON line on stdout, UTF-8 bytes whatever the locale.
-    Exit 0 done, 1 refused or failed, 2 bad usage (one line on stderr), a crash exit."""
+    call of a public function of the module, its answer one JSON line of UTF-8 on stdout.  A
+    connection is named by its database file (the module's connect()); issued_at defaults to
+    now; --crash BOUNDARY arms the process, whose tool child gets it too.  Exit 0 done, 1
+    refused or failed, 2 bad usage (one line on stderr), or the crash's own exit code."""
     name, module = argv[0], MODULES[argv[0] + ".py"]
     if module is None:
         refuse(f"{name}.py is not next to this script")
     if argv[1:2] in ([], ["-h"], ["--help"]) or argv[1] not in module.__all__:
-        functions = [f for f in module.__all__ if callable(getattr(module, f))
-                     and not isinstance(getattr(module, f), type)]
         asked = argv[1:2] in (["-h"], ["--help"])
         print(f"usage: run_experiment.py {name} FUNCTION ARG... [--NAME VALUE]...\nFUNCTION: "
-              + ", ".join(functions), file=sys.stdout if asked else sys.stderr)
+              + ", ".join(module.__all__), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     function = getattr(module, argv[1])
     parameters = inspect.signature(function).parameters
@@ -1879,7 +1695,7 @@ def step(argv):
             if None in keywords.values() or crash not in (None, *named):
                 raise TypeError("each --NAME takes a value, and --crash a named boundary")
         except TypeError as error:
-            refuse(f"{name} {argv[1]}{signature_of(function)}: {error}")
+            refuse(f"{name} {argv[1]}{inspect.signature(function)}: {error}")
         try:
             for parameter, value in bound.arguments.items():
                 if parameter in CONNECTIONS:
@@ -1909,17 +1725,6 @@ def step(argv):
     return 0
 
 
-def signature_of(function):
-    """A function's parameters as the command line takes them: ``C OP COMMAND --now NOW``."""
-    words = []
-    for parameter in inspect.signature(function).parameters.values():
-        word = "FILE" if parameter.name in CONNECTIONS else parameter.name.upper()
-        if parameter.kind is parameter.KEYWORD_ONLY:
-            word = f"--{parameter.name.replace('_', '-')} {word}"
-        words.append(word if parameter.default is parameter.empty else f"[{word}]")
-    return " " + " ".join(words)
-
-
 def text_argument(value):
     """A command-line argument as the UTF-8 text it was typed in, whatever the locale decoded it
     as (a C locale hands non-ASCII bytes over as surrogates)."""
@@ -1945,12 +1750,9 @@ def json_argument(text, what):
 
 
 def wal_reset_bug(version=None):
-    """True if this SQLite (default: the linked one) has the WAL-reset race.
-
-    The race, present from 3.7.0 through 3.51.2 and fixed in 3.51.3 (backported to 3.50.7 and
-    3.44.6), can corrupt a WAL database or lose commits when several connections write and
-    checkpoint: exactly the use these modules teach.
-    """
+    """True if this SQLite (default: the linked one) has the WAL-reset race, from 3.7.0 through
+    3.51.2, fixed in 3.51.3 and backported to 3.50.7 and 3.44.6: it can corrupt a WAL database
+    or lose commits when several connections write and checkpoint, the use the modules teach."""
     version = tuple(version or sqlite3.sqlite_version_info)
     if not (3, 7, 0) <= version < (3, 51, 3):
         return False

@@ -910,7 +910,8 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             self.assertIn(function, out)
         with workspace() as ws:
             ws.close()
-            for argv, said in ((["nothing"], "usage"), (["enqueue", ws.path("sender")], "KEY"),
+            for argv, said in ((["nothing"], "usage"),
+                               (["enqueue", ws.path("sender")], "'caller'"),
                                (["dispatch", ws.path("sender"), ws.root, "--now", 0, "--crash",
                                  "after_commit"], "named boundary")):
                 with self.subTest(argv=argv[:1]):
@@ -987,7 +988,8 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
             code, out, err = cli("dispatch", ws.path("sender"), ws.root, "--now", 11)
             self.assertEqual((code, out, err), (0, "null\n", ""))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("blocked", 1), 0))
-            self.assertIn("corrupt intent: maximum recursion depth", outbox(ws)["response"]["error"])
+            self.assertIn("corrupt intent: maximum recursion depth",
+                          outbox(ws)["response"]["error"])
 
     def test_the_tool_childs_command_line_refuses_what_it_does_not_serve(self):
         with workspace() as ws:
@@ -1953,7 +1955,7 @@ class APersonsDecisionIsAuditedForGood(unittest.TestCase):
             # The attempt decided on is required.
             code, out, err = cli(*resolve, "retry", "--by", "x", "--why", "y")
             self.assertEqual((code, out), (2, ""))
-            self.assertIn("--attempt", err)
+            self.assertIn("'attempt'", err)
             self.assertEqual((outbox(ws)["state"], len(audit(ws))), ("abandoned", 1))
 
 
@@ -2212,7 +2214,8 @@ class UnreadableOrReadOnlyFilesAreRefused(unittest.TestCase):
                                              lambda: os.rename(copy, path))
             self.assertEqual(text, f"OperationalError: {path}: attempt to write a readonly"
                                    " database")
-            self.assertEqual(file_bytes(path), file_bytes(os.path.join(TEMPLATE["dir"].name, RECEIVER)))
+            self.assertEqual(file_bytes(path),
+                             file_bytes(os.path.join(TEMPLATE["dir"].name, RECEIVER)))
 
     def test_a_symlink_to_a_hard_linked_or_read_only_database_is_refused_like_the_file(self):
         with workspace() as ws:

@@ -566,28 +566,24 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
             self.assertEqual((child.returncode, out, err.decode("utf-8")),
                              (130, b"", "run_experiment.py: interrupted\n"))
 
-    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
-    def test_a_worker_that_dies_fails_the_scenario_it_held_and_the_others_still_run(self):
-        # The worker process itself, not a child: it reports nothing.
-        def kills_its_worker(run):
-            os._exit(9)
+    def test_a_scenario_whose_harness_fails_fails_alone_and_the_others_still_run(self):
+        def fails(run):
+            raise RuntimeError("the harness broke")
 
         def observes(run):
-            run.stages["seen"] = {"pid_differs": os.getpid() != parent}
-        parent = os.getpid()
-        added = {"kills_its_worker": kills_its_worker, "observes": observes,
-                 "observes_too": observes}
+            run.stages["seen"] = {"ran": True}
+        added = {"fails": fails, "observes": observes, "observes_too": observes}
         for name, function in added.items():
             run_experiment.SCENARIOS[name] = ("article_7", name, function)
         try:
-            runs = run_experiment.run_all(list(added), jobs=2)
+            runs = run_experiment.run_all(list(added))
         finally:
             for name in added:
                 del run_experiment.SCENARIOS[name]
-        died = "its worker died or failed before reporting (a traceback, if any, is above)"
         self.assertEqual({run.name: (run.failures, run.stages) for run in runs}, {
-            "kills_its_worker": ([died], {}), "observes": ([], {"seen": {"pid_differs": True}}),
-            "observes_too": ([], {"seen": {"pid_differs": True}})})
+            "fails": (["RuntimeError: the harness broke"], {}),
+            "observes": ([], {"seen": {"ran": True}}),
+            "observes_too": ([], {"seen": {"ran": True}})})
 
     @unittest.skipUnless(hasattr(os, "fork"), "the driver forks its children")
     def test_a_batch_that_fails_half_way_kills_and_reaps_every_child_before_its_folder_goes(self):
@@ -749,29 +745,28 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                     self.assertEqual(done, (130, "run_experiment.py: interrupted\n", []))
 
     @unittest.skipUnless(hasattr(os, "fork") and os.path.isdir("/proc"),
-                         "forked workers, seen through Linux /proc")
-    def test_an_interrupt_while_the_workers_run_kills_them_and_is_one_line_not_a_mismatch(self):
-        # A scenario whose worker waits for its child, which waits for ever in the read of a
-        # pipe nobody writes, beside one that ends.  The driver, as its command line runs it in
-        # a process group of its own, is stopped while that child waits: by SIGINT, SIGTERM or
-        # SIGHUP to its group, or by SIGTERM to the driver alone.  Either way it kills its
-        # workers and their children itself, and it ends only after they have.
-        def ends(run):
-            run.stages["seen"] = {"ended": True}
-            return "ended"
-        held, hold = os.pipe()
-        added = {"waits": lambda run: os.waitpid(run_experiment.fork(
-                     lambda: os.read(held, 1) and 0), 0), "ends": ends}
+                         "forked children, seen through Linux /proc")
+    def test_an_interrupt_while_a_child_runs_kills_it_and_its_own_and_is_one_line(self):
+        # A scenario whose child (the driver's run_child) waits for a grandchild that waits for
+        # ever in the read of a FIFO nobody writes.  The driver, as its command line runs it in
+        # a process group of its own, is stopped while that grandchild waits: by SIGINT, SIGTERM
+        # or SIGHUP to its group, or by SIGTERM to the driver alone.  Either way it kills the
+        # child's process group itself, and it ends only after the child has.
+        added = {"waits": lambda run: run_experiment.run_child(run, parks, fifo)}
         for name, function in added.items():
             run_experiment.SCENARIOS[name] = ("article_7", name, function)
+        stops = {"SIGINT to its group": lambda pid: os.killpg(pid, signal.SIGINT),
+                 "SIGTERM to its group": lambda pid: os.killpg(pid, signal.SIGTERM),
+                 "SIGHUP to its group": lambda pid: os.killpg(pid, signal.SIGHUP),
+                 "SIGTERM to it alone": lambda pid: os.kill(pid, signal.SIGTERM)}
         try:
-            stops = {"SIGINT to its group": lambda pid: os.killpg(pid, signal.SIGINT),
-                     "SIGTERM to its group": lambda pid: os.killpg(pid, signal.SIGTERM),
-                     "SIGHUP to its group": lambda pid: os.killpg(pid, signal.SIGHUP),
-                     "SIGTERM to it alone": lambda pid: os.kill(pid, signal.SIGTERM)}
             for label, stop in stops.items():
                 with self.subTest(label), tempfile.TemporaryDirectory() as directory, \
+                        tempfile.TemporaryDirectory() as held, \
                         tempfile.TemporaryFile() as said:
+                    fifo = os.path.join(held, "never-written")
+                    os.mkfifo(fifo)
+
                     def driver():
                         os.setpgid(0, 0)
                         tempfile.tempdir = directory
@@ -784,32 +779,24 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                         deadline = time.monotonic() + WATCHDOG
                         waiting = []
                         while not waiting:
-                            self.assertLess(time.monotonic(), deadline, "no child waits")
+                            self.assertLess(time.monotonic(), deadline, "no grandchild waits")
                             time.sleep(0.005)
-                            waiting = [child for worker in article1.children_of(pid)
-                                       for child in article1.children_of(worker)
-                                       if article1.sleeps_in_read(child, held)]
-                        # It handles none of the three (Linux /proc's mask of the signals it
-                        # catches): each ends it at once, quietly.
-                        with open(f"/proc/{waiting[0]}/status", encoding="utf-8") as status:
-                            caught = [int(line.split()[1], 16) for line in status
-                                      if line.startswith("SigCgt:")][0]
-                        self.assertEqual([number for number in (signal.SIGINT, signal.SIGTERM,
-                                                                signal.SIGHUP)
-                                          if caught & 1 << number - 1], [])
-                        workers = [(process, article1.started_at(process))
-                                   for worker in article1.children_of(pid)
-                                   for process in [worker, *article1.children_of(worker)]]
-                        # A worker that ended already is no worker to kill.
-                        workers = [(worker, started) for worker, started in workers if started]
+                            waiting = [grandchild for child in article1.children_of(pid)
+                                       for grandchild in article1.children_of(child)
+                                       if sleeps_reading(grandchild, fifo)]
+                        [child] = article1.children_of(pid)
+                        started = [(process, article1.started_at(process))
+                                   for process in (child, *waiting)]
                         stop(pid)
                         while not os.waitpid(pid, os.WNOHANG)[0]:
                             self.assertLess(time.monotonic(), deadline, "the driver lives on")
                             time.sleep(0.005)
                     finally:
                         # Whatever failed: nothing of it lives on.
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(pid, signal.SIGKILL)
+                        for group in {pid, *(os.getpgid(process) for process
+                                             in article1.children_of(pid))}:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.killpg(group, signal.SIGKILL)
                         with contextlib.suppress(ChildProcessError):
                             os.waitpid(pid, 0)
                     said.seek(0)
@@ -817,19 +804,15 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                     self.assertEqual(lines[-1], "run_experiment.py: interrupted")
                     self.assertFalse([line for line in lines
                                       if "Traceback" in line or "scenarios" in line], lines)
-                    self.assertEqual([worker for worker, started in workers
-                                      if article1.started_at(worker) == started], [])
+                    self.assertEqual([process for process, when in started
+                                      if article1.started_at(process) == when], [])
                     self.assertEqual(os.listdir(directory), [])
         finally:
             for name in added:
                 del run_experiment.SCENARIOS[name]
-            os.close(held)
-            os.close(hold)
 
-    @unittest.skipUnless(hasattr(os, "fork"), "the driver's workers are forked")
-    def test_a_worker_an_interrupt_ended_stops_the_run_in_one_line_failing_nothing(self):
-        # Its worker interrupted (SIGINT ends a forked worker at once), before this process
-        # hears of any interrupt itself: the run was stopped, no scenario failed.
+    def test_a_scenario_an_interrupt_ended_stops_the_run_in_one_line_failing_nothing(self):
+        # The scenario itself interrupted, in the driver: the run was stopped, nothing failed.
         def ends(run):
             run.stages["seen"] = {"ended": True}
             return "ended"
@@ -939,8 +922,8 @@ class TheFiveFilesRunAlone(unittest.TestCase):
             folder = os.path.join(parent, "article-1")
             code, out, err = run_experiment.run_forked(limited, folder)
             self.assertEqual((code, out), (1, ""))
-            self.assertEqual(err, f"run_experiment.py: error: --download: could not write {folder}:"
-                             " File too large\n")
+            self.assertEqual(err, "run_experiment.py: error: --download: could not write"
+                             f" {folder}: File too large\n")
             self.assertEqual(os.listdir(parent), [])
             self.assertEqual(run_main("--download", "1", folder)[0], 0)
             self.assertEqual(sorted(os.listdir(folder)), sorted(DOWNLOAD_1))
@@ -1010,7 +993,7 @@ KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int"
        "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
        "MAX_AMOUNT", "MAX_INT64", "MAX_TICK", "_dumps"]
 # connect() and init(): what every kit's connection needs.
-FILES_KIT = ["connect", "_open", "_Connection", "_check_kind", "_check_file", "init", "_create", "snapshot",
+FILES_KIT = ["connect", "_open", "_Connection", "_check_kind", "_check_file", "init", "_create",
              "transaction", "_check_text", "_check_int", "APPLICATION_ID", "SCHEMA",
              "SCHEMA_VERSION", "BUSY_TIMEOUT", "MAX_NAME_LENGTH", "MAX_INT64"]
 KIT_IMPORTS = ("import errno\nimport hashlib\nimport json\nimport os\nimport sqlite3\n"
@@ -1046,6 +1029,12 @@ def in_download(folder, *argv):
     return subprocess.run([sys.executable, "-S", *SAME_FLAGS, *argv], cwd=folder,
                           env=article7.without_python_variables(PYTHONDONTWRITEBYTECODE="1"),
                           capture_output=True, timeout=WATCHDOG * 4)
+
+
+def parks(fifo):
+    """A child that waits for a grandchild (in its process group) that waits for ever in the
+    read of the FIFO ``fifo``, opened for reading and writing so that no writer is needed."""
+    return os.waitpid(run_experiment.fork(lambda: os.read(os.open(fifo, os.O_RDWR), 1)), 0)[1]
 
 
 def sleeps_reading(pid, path):

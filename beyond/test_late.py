@@ -336,7 +336,10 @@ class FilesTest(unittest.TestCase):
             said = sorted(outcome(racer) for racer in racers)
             self.assertEqual(waiting, 4)
             self.assertEqual(said, ["created", "present", "present", "present"])
-            self.assertEqual(sorted(os.listdir(root)), sorted([*reliability.KINDS, late.LATE]))
+            # Closes at the same moment can each find the other still there and both leave the
+            # -wal and -shm files, which SQLite reuses and removes at a later last close.
+            left = [name for name in os.listdir(root) if not name.endswith(("-wal", "-shm"))]
+            self.assertEqual(sorted(left), sorted([*reliability.KINDS, late.LATE]))
             with contextlib.closing(sqlite3.connect(os.path.join(root, late.LATE))) as made:
                 self.assertEqual(made.execute("PRAGMA application_id").fetchone()[0],
                                  late.LATE_KIND)
