@@ -844,10 +844,12 @@ class CrashesAtTheNamedBoundariesAreRecovered(unittest.TestCase):
         with workspace() as ws:
             enqueue(ws)
             ws.close()
-            code, said = run_experiment.run_child(None, run_experiment.send, ws.root,
-                                                  "unsafe_dispatch_mark_before", 0,
-                                                  crash="after_mark_before_send")
-            self.assertEqual((code, said), (CRASH_EXIT, None))
+            # The driver's sender child, armed as the driver arms it.
+            said = forked(lambda argv: run_experiment.answer(run_experiment.send, argv,
+                                                             "after_mark_before_send"),
+                          [ws.root, "unsafe_dispatch_mark_before", 0])
+            self.assertEqual(said, (CRASH_EXIT, "", "reliability.py: died at"
+                                    " after_mark_before_send (exit 73)\n"))
             self.assertIsNone(reliability.dispatch(ws.sender, ws.root, 11))
             self.assertEqual((state(ws), counts(ws)["tickets"]), (("done", 1), 0))
 
