@@ -1,15 +1,15 @@
 """Agent 可靠执行实战（一）：工具干完了，回执丢了怎么办？ — runnable companion.
 
-A durable outbox on the sender (第一篇 §2), an idempotent receiver whose receipt commits in
-the same BEGIN IMMEDIATE transaction as its ticket (§3), real processes that die at named
-boundaries (§4), atomic claims with attempt numbers and logical-tick leases (§5), and an
-honest ``unknown`` for a tool that offers no idempotency (§6).
+A durable outbox on the sender (第一篇 §2), an idempotent receiver whose receipt commits in the same
+BEGIN IMMEDIATE transaction as its ticket (§3), real processes that die at named boundaries (§4),
+atomic claims with attempt numbers and logical-tick leases (§5), and an honest ``unknown`` for a
+tool that offers no idempotency (§6).
 
-Three SQLite files in one folder never share a transaction: ``sender.db`` (intents and their
-outbox rows), ``receiver.db`` (synthetic tickets and their receipts) and ``external.db`` (a
-synthetic tool that keeps no receipts).  Every file runs in WAL mode with synchronous=FULL.
-The guarantees hold under process crashes on one machine whose storage honours fsync; see
-README.md for what is not proven.  Standard library only; this file runs alone.
+Three SQLite files in one folder never share a transaction: ``sender.db`` (intents and their outbox
+rows), ``receiver.db`` (synthetic tickets and their receipts) and ``external.db`` (a synthetic tool
+that keeps no receipts).  Every file runs in WAL mode with synchronous=FULL.  The guarantees hold
+under process crashes on one machine whose storage honours fsync; see README.md for what is not
+proven.  Standard library only; this file runs alone.
 """
 import sys
 
@@ -135,12 +135,10 @@ class CorruptRecord(Exception):
 # --- 第一篇 §2: the intent is written first -------------------------------------------------
 
 def enqueue(connection, caller, key, payload, *, now, mode="idempotent"):
-    """第一篇 §2: persist the intent and its outbox row in one transaction, once per key.
-
-    "accepted", or "duplicate" for the same intent again (nothing added); the same key with
-    another payload or mode raises Conflict.  ``now`` is the intent's issue tick, which every
-    delivery carries to the receiver.
-    """
+    """第一篇 §2: persist the intent and its outbox row in one transaction, once per key.  "accepted",
+    or "duplicate" for the same intent again (nothing added); the same key with another payload or
+    mode raises Conflict.  ``now`` is the intent's issue tick, which every delivery carries to the
+    receiver."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     check_ticks(0, now)
@@ -181,8 +179,8 @@ def transaction(connection):
 
 
 def receive(connection, caller, key, payload, *, issued_at, now):
-    """第一篇 §3: one ticket per (caller, key), however often the request arrives: the receipt
-    check, the ticket and its receipt share one BEGIN IMMEDIATE transaction (see _replayed)."""
+    """第一篇 §3: one ticket per (caller, key), however often the request arrives: the receipt check,
+    the ticket and its receipt share one BEGIN IMMEDIATE transaction (see _replayed)."""
     check_identity(caller, key)
     text, digest = canonical(payload)
     check_ticks(issued_at, now)
@@ -222,11 +220,9 @@ def _replayed(connection, caller, key, text, digest, issued_at):
 # --- 第一篇 §4: delivery by a real child process --------------------------------------------
 
 def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
-    """第一篇 §4: claim one due row (§5), call its tool in a child, record what can be proven.
-
-    No database lock is held while the child runs.  Returns deliver()'s summary, or None when
-    nothing is due.
-    """
+    """第一篇 §4: claim one due row (§5), call its tool in a child, record what can be proven.  No
+    database lock is held while the child runs.  Returns deliver()'s summary, or None when nothing
+    is due."""
     row = claim(connection, now)
     if row is None:
         return None
@@ -237,18 +233,15 @@ def dispatch(connection, root, now, *, start=None, timeout=CHILD_TIMEOUT):
 
 def deliver(connection, root, row, *, start=None, timeout=CHILD_TIMEOUT):
     """第一篇 §4–§6: call the tool for a row claimed under ``row["attempt"]``; record the reply.
-
-    Refused for good by the receiver: blocked.  A valid response: acknowledged, even if the
-    child then exits non-zero (§4).  No valid answer from a tool without idempotency: unknown,
-    never sent again automatically (§6).  Otherwise the row stays in flight until its lease
-    ends (§5).  Returns what happened, in "status": those four, or "stale" where another
-    attempt holds the row, or "not sent" (see _record_tool).
-    """
+    Refused for good by the receiver: blocked.  A valid response: acknowledged, even if the child
+    then exits non-zero (§4).  No valid answer from a tool without idempotency: unknown, never sent
+    again automatically (§6).  Otherwise the row stays in flight until its lease ends (§5).
+    Returns what happened, in "status": those four, or "stale" where another attempt holds the row,
+    or "not sent" (see _record_tool)."""
     caller, key, attempt = row["caller"], row["key"], row["attempt"]
     external = row["mode"] == "external"
-    reply = call_tool(root, row, start=start, timeout=timeout,
-                      on_start=functools.partial(_record_tool, connection, row) if external
-                      else None)
+    on_start = functools.partial(_record_tool, connection, row) if external else None
+    reply = call_tool(root, row, start=start, timeout=timeout, on_start=on_start)
     summary = {"caller": caller, "key": key, "attempt": attempt, "exit_code": reply.exit_code,
                "response": reply.response, "acknowledged": False}
     if not reply.sent:
@@ -274,14 +267,11 @@ Reply = collections.namedtuple("Reply", "response exit_code sent")
 
 
 def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
-    """第一篇 §4: run the row's tool in a child and return its Reply.
-
-    Request and reply cross the pipes as UTF-8 bytes whatever the locale.  ``start(argv)``
-    launches ``reliability.py argv...`` (the tool, its database, the boundary this process is
-    armed at) with piped stdin and stdout (default: start_child);
-    ``on_start(pid)`` runs before the request is sent, and if it returns False the child is
-    killed unasked.  A child that outlives ``timeout`` is killed and reaped.
-    """
+    """第一篇 §4: run the row's tool in a child and return its Reply.  Request and reply cross the
+    pipes as UTF-8 bytes whatever the locale.  ``start(argv)`` launches ``reliability.py argv...``
+    (the tool, its database, the boundary this process is armed at) with piped stdin and stdout
+    (default: start_child); ``on_start(pid)`` runs before the request is sent, and if it returns
+    False the child is killed unasked.  A child that outlives ``timeout`` is killed and reaped."""
     # Only senders spawn: tool children start faster without subprocess.
     import subprocess
     tool = "external" if row["mode"] == "external" else "receive"
@@ -308,11 +298,9 @@ def call_tool(root, row, *, start=None, timeout=CHILD_TIMEOUT, on_start=None):
 
 
 def start_child(argv):
-    """``python3 -I -S reliability.py argv...`` with binary pipes: isolated, no site packages.
-
-    The child runs in a session of its own, so a Ctrl-C at the terminal reaches only the
-    process that started it, which kills and reaps it (call_tool does, whatever ends it).
-    """
+    """``python3 -I -S reliability.py argv...`` with binary pipes: isolated, no site packages.  The
+    child runs in a session of its own, so a Ctrl-C at the terminal reaches only the process that
+    started it, which kills and reaps it (call_tool does, whatever ends it)."""
     import subprocess
     return subprocess.Popen([_interpreter(), "-I", "-S", os.path.abspath(__file__), *argv],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -322,8 +310,7 @@ def start_child(argv):
 def _interpreter():
     """The Python a child runs: sys.executable; where that is empty (python3 found by a shell
     that exports no PATH, as in ``env -i bash``), this installation's pythonX.Y if the kernel
-    says it is the very program running (Linux /proc).  Otherwise an OSError naming the cause,
-    one line at the command line."""
+    says it is the very program running (Linux /proc).  Otherwise an OSError naming the cause."""
     if sys.executable and os.access(sys.executable, os.X_OK):
         return sys.executable
     mine = os.path.join(sys.exec_prefix, "bin", "python%d.%d" % sys.version_info[:2])
@@ -337,8 +324,8 @@ def _interpreter():
 
 
 def _record_tool(connection, row, pid):
-    """Before an external request leaves: the tool's pid, committed for reconcile(), only while
-    the row is still in flight under this attempt with no tool recorded; False sends nothing."""
+    """Before an external request leaves: the tool's pid, committed for reconcile(), only while the
+    row is still in flight under this attempt with no tool recorded; False sends nothing."""
     with transaction(connection):
         return connection.execute(
             "UPDATE outbox SET tool_pid = ? WHERE caller = ? AND key = ? AND state = 'inflight'"
@@ -372,9 +359,9 @@ def _first_object(output):
 # --- 第一篇 §5: atomic claims with attempt numbers ------------------------------------------
 
 def claim(connection, now):
-    """第一篇 §5: atomically take the oldest due row (issued by ``now``, pending or in flight
-    past its lease): attempt + 1, leased to now + LEASE_TICKS; of racing claimers one wins.
-    Rows that may not be sent are parked on the way, with their reason (see _sendable)."""
+    """第一篇 §5: atomically take the oldest due row (issued by ``now``, pending or in flight past its
+    lease): attempt + 1, leased to now + LEASE_TICKS; of racing claimers one wins.  Rows that may
+    not be sent are parked on the way, with their reason (see _sendable)."""
     check_ticks(0, now)
     with transaction(connection):
         row = _sendable(connection, now)
@@ -389,9 +376,9 @@ def claim(connection, now):
 
 def _sendable(connection, now):
     """The oldest due row that may be sent, as claim() returns it, or None.  On the way, in
-    claim()'s transaction: an external row whose lease ended becomes unknown (§6: its attempt
-    may have reached the tool), and a row unanswered MAX_ATTEMPTS times since a person last
-    decided, or not what enqueue() stores, is blocked with its reason."""
+    claim()'s transaction: an external row whose lease ended becomes unknown (§6: its attempt may
+    have reached the tool), and a row unanswered MAX_ATTEMPTS times since a person last decided, or
+    not what enqueue() stores, is blocked with its reason."""
     while True:
         found = _oldest_due(connection, now)
         if found is None:
@@ -410,10 +397,10 @@ def _sendable(connection, now):
 
 
 def _oldest_due(connection, now):
-    """(id, state, mode, attempts since a person last decided, the row as claim() returns it,
-    what is wrong with it) of the oldest due row, or None.  The row is None and the fault a reason
-    where it is not what enqueue() stores; stored text is read as bytes, so that what another
-    program wrote cannot raise here."""
+    """(id, state, mode, attempts since a person last decided, the row as claim() returns it, what
+    is wrong with it) of the oldest due row, or None.  The row is None and the fault a reason where
+    it is not what enqueue() stores; stored text is read as bytes, so that what another program
+    wrote cannot raise here."""
     found = connection.execute(
         "SELECT o.id, o.state, o.attempts - coalesce((SELECT max(attempt) FROM resolutions s"
         " WHERE s.caller = o.caller AND s.key = o.key), 0), (typeof(o.caller), typeof(o.key),"
@@ -448,9 +435,9 @@ def _oldest_due(connection, now):
 
 
 def acknowledge(connection, caller, key, attempt, response):
-    """第一篇 §5: record a validated response as done, only for the attempt holding the row:
-    True (again if asked again), or False for any other attempt; ValueError for a response
-    that does not answer the request."""
+    """第一篇 §5: record a validated response as done, only for the attempt holding the row: True
+    (again if asked again), or False for any other attempt; ValueError for a response that does not
+    answer the request."""
     check_identity(caller, key)
     if type(attempt) is not int or not 0 < attempt <= MAX_TICK:
         raise ValueError(f"attempt must be an int from 1 to {MAX_TICK}, not {attempt!r}")
@@ -507,14 +494,11 @@ def lookup_external(connection, caller, key):
 
 def reconcile(connection, tool, caller, key, now):
     """Settle an unknown row from the tool's records (``tool``: an open external.db connection).
-
-    One matching ticket makes the row done with it.  No ticket sends the row back to pending
-    only once the unanswered attempt can no longer act: its lease has ended, and the processes
-    that held it (sender and tool child, same machine) are gone; this process counts as gone
-    (it acts only through a tool child, recorded before it is asked).  Anything less certain
-    leaves it unknown.
-    Returns a dict whose "status" is the row's state.
-    """
+    One matching ticket makes the row done with it.  No ticket sends the row back to pending only
+    once the unanswered attempt can no longer act: its lease has ended, and the processes that held
+    it (sender and tool child, same machine) are gone; this process counts as gone (it acts only
+    through a tool child, recorded before it is asked).  Anything less certain leaves it unknown.
+    Returns a dict whose "status" is the row's state."""
     check_identity(caller, key)
     check_ticks(0, now)
     row = connection.execute(
@@ -546,15 +530,12 @@ def reconcile(connection, tool, caller, key, now):
 
 def resolve(connection, caller, key, decision, *, attempt, by, why, evidence=None):
     """Record a person's decision on an unknown or blocked row, with its audit row, atomically.
-
-    ``decision``: "done" (``evidence`` must be the tool's response for this request), "retry"
-    (back to pending under the same key, with MAX_ATTEMPTS attempts again) or "abandon".
-    ``attempt`` is the row's attempt the person looked at: once a claim has taken the row
-    since, the decision is refused (the row moved on), so that a decision asked again after a
-    lost reply never becomes a second one.  The same call again, while the row is as that
-    decision left it, answers it again without a second audit row.  Refusals raise ValueError;
-    the audit row is never rewritten.
-    """
+    ``decision``: "done" (``evidence`` must be the tool's response for this request), "retry" (back
+    to pending under the same key, with MAX_ATTEMPTS attempts again) or "abandon".  ``attempt`` is
+    the row's attempt the person looked at: once a claim has taken the row since, the decision is
+    refused (the row moved on), so that a decision asked again after a lost reply never becomes a
+    second one.  The same call again, while the row is as that decision left it, answers it again
+    without a second audit row.  Refusals raise ValueError; the audit row is never rewritten."""
     check_identity(caller, key)
     if decision not in ("done", "retry", "abandon"):
         raise ValueError("decision must be one of done, retry, abandon")
@@ -608,11 +589,9 @@ def resolve(connection, caller, key, decision, *, attempt, by, why, evidence=Non
 
 
 def purge(connection, now, window):
-    """Delete receipts written before ``now - window`` and raise the low-water mark to it.
-
-    Both in one transaction.  From then on receive() refuses, as Expired, a request issued
-    before the mark that finds no receipt; the mark never moves backwards.
-    """
+    """Delete receipts written before ``now - window`` and raise the low-water mark to it.  Both in
+    one transaction.  From then on receive() refuses, as Expired, a request issued before the mark
+    that finds no receipt; the mark never moves backwards."""
     check_ticks(0, now)
     if type(window) is not int or not 0 < window <= MAX_TICK:
         raise ValueError(f"window must be an int number of ticks from 1 to {MAX_TICK},"
@@ -644,9 +623,9 @@ def _end_attempt(connection, row, state, response=None):
 
 
 def _settle(connection, caller, key, attempt, state, response, answer):
-    """reconcile()'s decision, made only while the row is still unknown under ``attempt``: a
-    person (resolve) or another reconciler may have settled it meanwhile, and then this changes
-    nothing and says what the row is now."""
+    """reconcile()'s decision, made only while the row is still unknown under ``attempt``: a person
+    (resolve) or another reconciler may have settled it meanwhile, and then this changes nothing
+    and says what the row is now."""
     with transaction(connection):
         if connection.execute(
                 "UPDATE outbox SET state = ?, response = ?, owner_pid = NULL, tool_pid = NULL"
@@ -694,13 +673,11 @@ def init(root):
 
 def snapshot(connection):
     """What one of our databases holds, read in one transaction: for observers, tests, a reader.
-
-    sender.db: the number of intents, the outbox rows with their request's digest (what
-    resolve()'s evidence must carry) and the response recorded, the rows parked for a person
-    (unknown or blocked) with the reason, and the audit rows;
-    receiver.db: the number of tickets, the receipts and the low-water mark; external.db: its
-    tickets, each in the form of the tool's response.  Meant for small databases.
-    """
+    sender.db: the number of intents, the outbox rows with their request's digest (what resolve()'s
+    evidence must carry) and the response recorded, the rows parked for a person (unknown or
+    blocked) with the reason, and the audit rows; receiver.db: the number of tickets, the receipts
+    and the low-water mark; external.db: its tickets, each in the form of the tool's response.
+    Meant for small databases."""
     # Inside a caller's transaction, read within it.
     own = not connection.in_transaction
     if own:
@@ -770,9 +747,9 @@ def _stored_json(data):
 
 
 def canonical(payload):
-    """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.  Exact
-    JSON types only, at most MAX_PAYLOAD_DEPTH deep and MAX_PAYLOAD_BYTES long, or it raises;
-    each value is charged its fewest bytes wherever it appears, so sharing hides no size."""
+    """第一篇 §3: (text, SHA-256 digest) of a JSON object: sorted keys, compact, UTF-8.  Exact JSON
+    types only, at most MAX_PAYLOAD_DEPTH deep and MAX_PAYLOAD_BYTES long, or it raises; each value
+    is charged its fewest bytes wherever it appears, so sharing hides no size."""
     if type(payload) is not dict:
         raise TypeError(f"payload must be a dict, not {type(payload).__name__}")
     level, depth, budget = [payload], 1, MAX_PAYLOAD_BYTES
@@ -843,8 +820,8 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
     keys, autocommit (transaction() begins).  A missing file is never created; another kind or
-    schema version, and what _check_file refuses, raise before anything is written; every
-    SQLite error names the path (_Connection).  A -wal copied in beside it is SQLite's to apply."""
+    schema version, and what _check_file refuses, raise before anything is written; every SQLite
+    error names the path (_Connection).  A -wal copied in beside it is SQLite's to apply."""
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
         "#", "%23") + "?mode=rw"
@@ -949,7 +926,6 @@ def _create(path, application_id, schema, fill=None):
         raise
 
 
-
 # --- DELIBERATELY UNSAFE baselines: the experiments' counterexamples, never called above ----
 
 def unsafe_receive_without_receipt(connection, caller, key, payload):
@@ -975,8 +951,7 @@ def unsafe_dispatch_mark_before(connection, root, now, *, start=None, timeout=CH
     reply = call_tool(root, row, start=start, timeout=timeout)
     return {"caller": row["caller"], "key": row["key"], "attempt": row["attempt"],
             "exit_code": reply.exit_code, "response": reply.response, "acknowledged": False,
-            "status": "done", "note": "UNSAFE baseline: recorded as done before anything was"
-            " sent"}
+            "status": "done", "note": "UNSAFE: recorded as done before it was sent"}
 
 
 def unsafe_delete_receipts(connection, before_tick):
@@ -1012,10 +987,10 @@ def crash_point(name):
 # --- the tool child (第一篇 §4): the one process this module starts --------------------------
 
 def serve(act, database):
-    """第一篇 §4: a tool child's work: one request line from stdin, ``act(connection, request)``
-    on ``database``, its reply as one JSON line on stdout, UTF-8 bytes whatever the locale.  A
-    refusal for good is a reply too, so that the sender blocks the row at once.  The exit
-    status: 0 answered, 1 no request (the sender went away before asking)."""
+    """第一篇 §4: a tool child's work: one request line from stdin, ``act(connection, request)`` on
+    ``database``, its reply as one JSON line on stdout, UTF-8 bytes whatever the locale.  A refusal
+    for good is a reply too, so that the sender blocks the row at once.  The exit status: 0
+    answered, 1 no request (the sender went away before asking)."""
     line = sys.stdin.buffer.readline()
     if not line:
         return 1
@@ -1040,9 +1015,9 @@ TOOLS = {"receive": lambda c, r: receive(c, r["caller"], r["key"], r["payload"],
 
 
 def tool_child(argv):
-    """``python3 reliability.py receive|external DATABASE [BOUNDARY]``: serve one request, armed
-    at BOUNDARY.  Exit 0 answered, 1 failed (one line on stderr), 2 bad usage, CRASH_EXIT at
-    the boundary, 130 stopped (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)."""
+    """``python3 reliability.py receive|external DATABASE [BOUNDARY]``: serve one request, armed at
+    BOUNDARY.  Exit 0 answered, 1 failed (one line on stderr), 2 bad usage, CRASH_EXIT at the
+    boundary, 130 stopped (Ctrl-C, SIGTERM or SIGHUP; one line on stderr)."""
     global CRASH_AT
     if len(argv) not in (2, 3) or argv[0] not in TOOLS:
         sys.stderr.write("usage: python3 reliability.py receive|external DATABASE [BOUNDARY]\n")

@@ -11,12 +11,12 @@
   python3 run_experiment.py reliability FUNCTION ARG...  one call by hand (see step())
 
 Every scenario starts in a fresh temporary directory.  Crashes are real: a forked child calls
-os._exit at a named boundary, and another process reads back what survived in the SQLite
-files.  Results hold statuses, exit codes, counts, quantities, revisions, digests and ids,
-never paths, pids or timings, so a rerun reproduces them byte for byte.  With only one
-article's module here (its download), only its scenarios run and are compared.  Exit status:
-0 all good, 1 a mismatch or a failed invariant, 2 bad usage, 130 interrupted: Ctrl-C, SIGTERM
-or SIGHUP, one line on stderr, every child killed and its folder removed first.
+os._exit at a named boundary, and another process reads back what survived in the SQLite files.
+Results hold statuses, exit codes, counts, quantities, revisions, digests and ids, never paths,
+pids or timings, so a rerun reproduces them byte for byte.  With only one article's module here
+(its download), only its scenarios run and are compared.  Exit status: 0 all good, 1 a mismatch or
+a failed invariant, 2 bad usage, 130 interrupted: Ctrl-C, SIGTERM or SIGHUP, one line on stderr,
+every child killed and its folder removed first.
 """
 import sys
 
@@ -27,6 +27,7 @@ if sys.version_info < (3, 9):
 
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -243,7 +244,7 @@ def mismatched_payload(run):
 def concurrent_claim(run):
     enqueue(run)
     with watched(run) as children:
-        children += [spawn_json(run, claimer, run.root, 0) for _ in range(8)]
+        children += [spawn(run, answer, claimer, (run.root, 0), None) for _ in range(8)]
         released, claims = race(children)
     winners = [row for row in claims if row is not None]
     run.inject("8 claimer processes released together, a late ack from attempt 1")
@@ -772,7 +773,7 @@ def change(run, name, delta, lane="parent", inject=True):
 def paused_child(run, unsafe=False):
     """READY/GO over pipes: the child stops where it says READY until the parent has written."""
     with watched(run) as children:
-        children.append(spawn_json(run, executor, run.db, "job-1", PLAN, True, unsafe))
+        children.append(spawn(run, answer, executor, (run.db, "job-1", PLAN, True, unsafe), None))
         child = children[0]
         ready = child.readline().strip()
         run.log("executor", f"child says {ready}")
@@ -824,27 +825,28 @@ def threaded(run, ops):
 
 # --- the crash matrix: every boundary of both modules, every mode it applies to ---------------
 
-def delivery_cell(run, boundary, mode):
-    """Crash at ``boundary`` in a real process, recover from this one at tick 11, observe."""
-    fresh_root(run, os.path.join(run.dir, mode))
-    owner = BOUNDARIES[boundary][0]
-    if owner == "enqueue":
-        codes = sender_child(run, "enqueue", CALLER, KEY, PAYLOAD, 0, mode, crash=boundary)
-        # The upstream caller retries with the same key.
-        enqueue(run, mode, lane="recovery")
-    else:
-        enqueue(run, mode)
-        if owner in ("receiver", "external"):
-            codes = dispatch(run, 0, boundary)
+def delivery_cell(boundary, modes, run):
+    """Per mode: crash at ``boundary`` in a real process, recover from this one at tick 11."""
+    for mode in modes:
+        fresh_root(run, os.path.join(run.dir, mode))
+        owner = BOUNDARIES[boundary][0]
+        if owner == "enqueue":
+            codes = sender_child(run, "enqueue", CALLER, KEY, PAYLOAD, 0, mode, crash=boundary)
+            # The upstream caller retries with the same key.
+            enqueue(run, mode, lane="recovery")
         else:
-            codes = sender_child(run, owner, 0, crash=boundary)
-    dispatch(run, 11, lane="recovery")
-    final = observe(run, mode, codes)
-    # The cell: the crash's exit code and what the recovery left.
-    run.stages[mode] = {"exit_code": codes[0], "sender_state": final["sender_state"],
-                        "attempts": final["attempts"], "tickets": final[
-                            "external_tickets" if mode == "external" else "receiver_tickets"]}
-    expect_cell(run, mode, run.stages[mode])
+            enqueue(run, mode)
+            if owner in ("receiver", "external"):
+                codes = dispatch(run, 0, boundary)
+            else:
+                codes = sender_child(run, owner, 0, crash=boundary)
+        dispatch(run, 11, lane="recovery")
+        final = observe(run, mode, codes)
+        # The cell: the crash's exit code and what the recovery left.
+        run.stages[mode] = {"exit_code": codes[0], "sender_state": final["sender_state"],
+                            "attempts": final["attempts"], "tickets": final[
+                                "external_tickets" if mode == "external" else "receiver_tickets"]}
+        expect_cell(run, mode, run.stages[mode])
 
 
 def expect_cell(run, mode, cell):
@@ -864,48 +866,40 @@ def expect_cell(run, mode, cell):
         run.expect(f"{mode}: the task is lost", (state, tickets), ("done", 0))
 
 
-def transfer_cell(run, boundary, kind):
-    """A fresh or a stale plan crashes at ``boundary``; a new process retries the same op."""
-    run.db = os.path.join(run.dir, f"{kind}.db")
-    transfer_start(run)
-    if kind == "stale":
-        change(run, "B", 2)
-    code, _ = run_child(run, executor, run.db, "job-1", PLAN, crash=boundary)
-    crashed = transfer_state(run, f"{kind}.crashed")
-    retry_code, retry = run_child(run, executor, run.db, "job-1", PLAN)
-    stored = retry.get("result", retry)["status"]
-    final = transfer_state(run, f"{kind}.retried")
-    del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
-    run.stages[kind] = {"exit_code": code, "effects_after_crash": crashed["effects"],
-                        "retry": retry["status"], "outcome": stored, "effects": final["effects"]}
-    run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
-    committed = boundary == "after_commit"
-    # A stale plan's receipt of the change before it does not count.
-    run.expect(f"{kind}: all or nothing", (crashed["effects"],
-                                           crashed["receipts"] - (kind == "stale")),
-               (int(committed and kind == "fresh"), int(committed)))
-    run.expect(f"{kind}: the retry answers", (retry_code, retry["status"], stored),
-               (0, "replayed" if committed else stored, "applied" if kind == "fresh" else "stale"))
-
-
-def _matrix_scenario(function, boundary, variants):
-    def cells(run):
-        for variant in variants:
-            function(run, boundary, variant)
-    cells.__name__ = boundary
-    return cells
+def transfer_cell(boundary, kinds, run):
+    """Per kind: a fresh or a stale plan crashes at ``boundary``; a new process retries it."""
+    for kind in kinds:
+        run.db = os.path.join(run.dir, f"{kind}.db")
+        transfer_start(run)
+        if kind == "stale":
+            change(run, "B", 2)
+        code, _ = run_child(run, executor, run.db, "job-1", PLAN, crash=boundary)
+        crashed = transfer_state(run, f"{kind}.crashed")
+        retry_code, retry = run_child(run, executor, run.db, "job-1", PLAN)
+        stored = retry.get("result", retry)["status"]
+        final = transfer_state(run, f"{kind}.retried")
+        del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
+        run.stages[kind] = {"exit_code": code, "effects_after_crash": crashed["effects"], "retry":
+                            retry["status"], "outcome": stored, "effects": final["effects"]}
+        run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
+        committed, fresh = boundary == "after_commit", kind == "fresh"
+        # The change that made a plan stale left a receipt of its own.
+        run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"]),
+                   (int(committed and fresh), int(committed) + (not fresh)))
+        run.expect(f"{kind}: the retry answers", (retry_code, retry["status"], stored),
+                   (0, "replayed" if committed else stored, "applied" if fresh else "stale"))
 
 
 for _boundary, (_, _modes) in (BOUNDARIES.items() if reliability is not None else ()):
     SCENARIOS[f"reliability/{_boundary}"] = (
         "crash_matrix", f"crash at {_boundary}: " + ", ".join(_modes),
-        _matrix_scenario(delivery_cell, _boundary, _modes))
+        functools.partial(delivery_cell, _boundary, _modes))
 for _boundary in EXIT_CODES:
     # Only the commit of a stored rejection passes after_commit on the stale path.
     _kinds = ("fresh", "stale") if _boundary == "after_commit" else ("fresh",)
     SCENARIOS[f"preconditions/{_boundary}"] = (
         "crash_matrix", f"crash at {_boundary}: " + ", ".join(f"{k} plan" for k in _kinds),
-        _matrix_scenario(transfer_cell, _boundary, _kinds))
+        functools.partial(transfer_cell, _boundary, _kinds))
 
 
 # --- the runner: each scenario in a folder of its own, one after another ---------------------
@@ -1021,12 +1015,6 @@ def spawn(run, main, *args):
         os.close(stderr)
     child.run, child.said = run, said
     return child
-
-
-def spawn_json(run, function, *args, crash=None):
-    """A child of ``run`` that runs ``function(*args)`` armed at ``crash`` and prints what it
-    returns as one JSON line."""
-    return spawn(run, answer, function, args, crash)
 
 
 def answer(function, args, crash):
@@ -1166,7 +1154,7 @@ def finish(child, stdin_text=None):
 def run_child(run, function, *args, crash=None):
     """Run one child of ``run`` to its end; (exit code, its JSON line or None)."""
     with watched(run) as children:
-        children.append(spawn_json(run, function, *args, crash=crash))
+        children.append(spawn(run, answer, function, args, crash))
         code, lines = finish(children[0])
     return code, json.loads(lines[-1]) if lines else None
 

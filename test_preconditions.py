@@ -179,8 +179,8 @@ class CheckAndWriteShareOneTransaction(Case):
         outcomes = {}
         for name in ("unsafe", "safe"):
             db = self.make_db(name=name + ".db")
-            child = run_experiment.spawn_json(None, run_experiment.executor, db, "job-1", plan(),
-                                              True, name == "unsafe")
+            child = run_experiment.spawn(None, run_experiment.answer, run_experiment.executor,
+                                         (db, "job-1", plan(), True, name == "unsafe"), None)
             try:
                 self.assertEqual(child.readline(), "READY")
                 with contextlib.closing(pre.connect(db)) as other:
