@@ -444,7 +444,6 @@ def _create(path, application_id, schema, fill=None):
         raise
 
 
-
 # --- DELIBERATELY UNSAFE baseline (第七篇 §3): never called by the protocol above ----------
 
 def unsafe_check_then_act(c, op, command, *, pause=None):

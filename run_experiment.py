@@ -1339,7 +1339,6 @@ def run_forked(function, *args):
     return json.loads(text)
 
 
-
 # --- results, comparison and the command line ----------------------------------------------
 
 def results_of(runs):

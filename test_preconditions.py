@@ -1518,7 +1518,6 @@ def open_to_nobody(test, folder, *files):
         test.skipTest(f"another user cannot reach {folder}: TMPDIR is private")
 
 
-
 def thread_race(db, entry, ops, threads=8):
     """``threads`` threads (the article's 8), each with its own connection to ``db``, released
     together by a barrier, submit ``ops`` between them through entry(connection, op); the

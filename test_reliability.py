@@ -3033,7 +3033,6 @@ def open_to_nobody(test, folder, *files):
         test.skipTest(f"another user cannot reach {folder}: TMPDIR is private")
 
 
-
 @functools.lru_cache(maxsize=None)
 def strace_flags():
     """None where strace is missing or may not trace (ptrace is often forbidden in containers);
