@@ -244,7 +244,7 @@ def mismatched_payload(run):
 def concurrent_claim(run):
     enqueue(run)
     with watched(run) as children:
-        children += [spawn(run, answer, claimer, (run.root, 0), None) for _ in range(8)]
+        children += [spawn(run, answer, claimer, (run.root, 0)) for _ in range(8)]
         released, claims = race(children)
     winners = [row for row in claims if row is not None]
     run.inject("8 claimer processes released together, a late ack from attempt 1")
@@ -773,7 +773,7 @@ def change(run, name, delta, lane="parent", inject=True):
 def paused_child(run, unsafe=False):
     """READY/GO over pipes: the child stops where it says READY until the parent has written."""
     with watched(run) as children:
-        children.append(spawn(run, answer, executor, (run.db, "job-1", PLAN, True, unsafe), None))
+        children.append(spawn(run, answer, executor, (run.db, "job-1", PLAN, True, unsafe)))
         child = children[0]
         ready = child.readline().strip()
         run.log("executor", f"child says {ready}")
@@ -827,9 +827,9 @@ def threaded(run, ops):
 
 def delivery_cell(boundary, modes, run):
     """Per mode: crash at ``boundary`` in a real process, recover from this one at tick 11."""
+    owner = BOUNDARIES[boundary][0]
     for mode in modes:
         fresh_root(run, os.path.join(run.dir, mode))
-        owner = BOUNDARIES[boundary][0]
         if owner == "enqueue":
             codes = sender_child(run, "enqueue", CALLER, KEY, PAYLOAD, 0, mode, crash=boundary)
             # The upstream caller retries with the same key.
@@ -868,6 +868,7 @@ def expect_cell(run, mode, cell):
 
 def transfer_cell(boundary, kinds, run):
     """Per kind: a fresh or a stale plan crashes at ``boundary``; a new process retries it."""
+    committed = boundary == "after_commit"
     for kind in kinds:
         run.db = os.path.join(run.dir, f"{kind}.db")
         transfer_start(run)
@@ -879,10 +880,11 @@ def transfer_cell(boundary, kinds, run):
         stored = retry.get("result", retry)["status"]
         final = transfer_state(run, f"{kind}.retried")
         del run.stages[f"{kind}.crashed"], run.stages[f"{kind}.retried"]
-        run.stages[kind] = {"exit_code": code, "effects_after_crash": crashed["effects"], "retry":
-                            retry["status"], "outcome": stored, "effects": final["effects"]}
+        run.stages[kind] = {"exit_code": code, "effects_after_crash": crashed["effects"],
+                            "retry": retry["status"], "outcome": stored,
+                            "effects": final["effects"]}
         run.expect(f"{kind}: the crash happened", code, preconditions.EXIT_CODES[boundary])
-        committed, fresh = boundary == "after_commit", kind == "fresh"
+        fresh = kind == "fresh"
         # The change that made a plan stale left a receipt of its own.
         run.expect(f"{kind}: all or nothing", (crashed["effects"], crashed["receipts"]),
                    (int(committed and fresh), int(committed) + (not fresh)))
@@ -1017,7 +1019,7 @@ def spawn(run, main, *args):
     return child
 
 
-def answer(function, args, crash):
+def answer(function, args, crash=None):
     """In a child: arm the module that holds ``crash``, run ``function(*args)``, print its JSON."""
     for module, boundaries in ((reliability, BOUNDARIES), (preconditions, EXIT_CODES)):
         if module is not None and crash in boundaries:

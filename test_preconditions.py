@@ -180,7 +180,7 @@ class CheckAndWriteShareOneTransaction(Case):
         for name in ("unsafe", "safe"):
             db = self.make_db(name=name + ".db")
             child = run_experiment.spawn(None, run_experiment.answer, run_experiment.executor,
-                                         (db, "job-1", plan(), True, name == "unsafe"), None)
+                                         (db, "job-1", plan(), True, name == "unsafe"))
             try:
                 self.assertEqual(child.readline(), "READY")
                 with contextlib.closing(pre.connect(db)) as other:
