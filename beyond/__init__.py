@@ -1,0 +1,158 @@
+"""Everything past the two articles: see README.md here.
+
+``python3 -m unittest`` from the project's root runs this folder's tests too.  There, the tests of
+the PostgreSQL and HTTP editions (about half the suite's time) run in a second Python process,
+with the same flags, while the others run in this one; each of their results is then reported
+here as the runner reports its own.  The second process ends at its next test once this one has
+gone.  With ``-k``, everything runs here.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import unittest
+
+BESIDE = ("beyond.postgres.test_article1", "beyond.postgres.test_article7", "beyond.test_http")
+
+
+def load_tests(loader, tests, pattern):
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = loader.discover(here, pattern or "test*.py", os.path.dirname(here))
+    if loader.testNamePatterns:
+        return found
+    return _Beside(test for test in _each(found) if type(test).__module__ not in BESIDE)
+
+
+class _Beside(unittest.TestSuite):
+    """Its own tests here, BESIDE's in a second process started first; then their results."""
+
+    def run(self, result, debug=False):
+        top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing takes
+        # them.
+        child = subprocess.Popen(
+            [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+             "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
+             str(os.getpid()), *BESIDE], cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            # Out of a terminal's reach: a Ctrl-C stops this process, which ends the other's
+            # group whole.
+            start_new_session=True)
+        try:
+            super().run(result, debug)
+            out = child.communicate()[0]
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+            child.stdout.close()
+        try:
+            outcomes = json.loads(out)
+        except ValueError:
+            outcomes = [["beyond", "the second process", None, "error",
+                         f"it exited {child.returncode} without its results"]]
+        _replay(result, outcomes)
+        return result
+
+
+def _replay(result, outcomes):
+    """Report ``outcomes`` (see _Record) to ``result`` as the tests' own."""
+    for ident, name, doc, kind, text in outcomes:
+        test = _Reported(ident, name, doc)
+        result.startTest(test)
+        if kind == "success":
+            result.addSuccess(test)
+        elif kind == "skip":
+            result.addSkip(test, text)
+        elif kind == "expected failure":
+            result.addExpectedFailure(test, (_Failed, _Failed(text), None))
+        elif kind == "unexpected success":
+            result.addUnexpectedSuccess(test)
+        else:
+            getattr(result, "addFailure" if kind == "failure" else "addError")(
+                test, (_Failed, _Failed(text), None))
+        result.stopTest(test)
+
+
+def _report():
+    """In the second process: run the named modules' tests; print their outcomes as JSON."""
+    parent, names = int(sys.argv[2]), sys.argv[3:]
+    # What the tests print goes to stderr: stdout carries the outcomes alone.
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    record = _Record(parent)
+    unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
+    json.dump(record.outcomes, out)
+    out.close()
+
+
+class _Record(unittest.TestResult):
+    """Each outcome as (id, name, description, kind, text)."""
+
+    def __init__(self, parent):
+        super().__init__()
+        self.parent, self.outcomes = parent, []
+
+    def startTest(self, test):
+        # The process that would report these has gone: so does this one (atexit stops what
+        # the tests started).
+        if os.getppid() != self.parent:
+            sys.exit(1)
+        super().startTest(test)
+
+    def note(self, test, kind, text=None):
+        self.outcomes.append([test.id(), str(test), test.shortDescription(), kind, text])
+
+    def addSuccess(self, test):
+        self.note(test, "success")
+
+    def addSkip(self, test, reason):
+        self.note(test, "skip", reason)
+
+    def addFailure(self, test, err):
+        self.note(test, "failure", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        self.note(test, "error", self._exc_info_to_string(err, test))
+
+    def addExpectedFailure(self, test, err):
+        self.note(test, "expected failure", self._exc_info_to_string(err, test))
+
+    def addUnexpectedSuccess(self, test):
+        self.note(test, "unexpected success")
+
+    def addSubTest(self, test, subtest, err):
+        if err is not None:
+            failed = issubclass(err[0], test.failureException)
+            self.note(subtest, "failure" if failed else "error",
+                      self._exc_info_to_string(err, test))
+
+
+class _Reported:
+    """A test the second process ran, as the runner here reports it."""
+    failureException = AssertionError
+
+    def __init__(self, ident, name, doc):
+        self.ident, self.name, self.doc = ident, name, doc
+
+    def id(self):
+        return self.ident
+
+    def __str__(self):
+        return self.name
+
+    def shortDescription(self):
+        return self.doc
+
+
+class _Failed(Exception):
+    """A failure or error in the second process: its traceback, as written there."""
+
+
+def _each(suite):
+    for test in suite:
+        if isinstance(test, unittest.TestSuite):
+            yield from _each(test)
+        else:
+            yield test

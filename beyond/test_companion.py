@@ -20,6 +20,7 @@ import contextlib
 import errno
 import functools
 import glob
+import importlib.util
 import io
 import itertools
 import json
@@ -39,6 +40,7 @@ from unittest import mock
 # Run as python3 beyond/test_companion.py, it finds beyond/ on its path: the modules are one up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import beyond
 import preconditions as pre
 import reliability
 import run_experiment
@@ -819,9 +821,13 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
         added = {"interrupted": lambda run: os.kill(os.getpid(), signal.SIGINT), "ends": ends}
         for name, function in added.items():
             run_experiment.SCENARIOS[name] = ("article_7", name, function)
+        # As at a terminal, even where this suite was started with interrupts ignored (a
+        # shell's background job): the driver keeps ignoring those, as nohup's.
+        before = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             code, out, err = run_main("--check", "--only", *added)
         finally:
+            signal.signal(signal.SIGINT, before)
             for name in added:
                 del run_experiment.SCENARIOS[name]
         self.assertEqual((code, out, err.splitlines()[-1]), (130, "",
@@ -972,6 +978,39 @@ class TheFiveFilesRunAlone(unittest.TestCase):
             self.assertEqual(article1.file_bytes(os.path.join(folder, "again.json")), committed)
 
 
+class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
+    """beyond/__init__.py: what the second process runs is reported as if it ran here."""
+
+    def test_each_outcome_of_the_second_process_is_reported_as_the_same_tests_run_here(self):
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "outcomes.py"), "w", encoding="utf-8") as module:
+                module.write(OUTCOMES)
+            # As _Beside starts it, with the fixture's folder on its path too.
+            done = subprocess.run(
+                [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1], sys.argv.pop()];"
+                 " import beyond; beyond._report()", ROOT, str(os.getpid()), "outcomes", folder],
+                capture_output=True, timeout=WATCHDOG)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            there = unittest.TestResult()
+            beyond._replay(there, json.loads(done.stdout))
+            spec = importlib.util.spec_from_file_location("outcomes", module.name)
+            outcomes = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(outcomes)
+        here = unittest.TestResult()
+        unittest.defaultTestLoader.loadTestsFromModule(outcomes).run(here)
+        for name in ("failures", "errors", "skipped", "expectedFailures"):
+            with self.subTest(name):
+                self.assertEqual([test.id() for test, _ in getattr(there, name)],
+                                 [test.id() for test, _ in getattr(here, name)])
+                self.assertTrue(getattr(here, name))
+        self.assertEqual([test.id() for test in there.unexpectedSuccesses],
+                         [test.id() for test in here.unexpectedSuccesses])
+        self.assertEqual((there.testsRun, there.wasSuccessful()), (here.testsRun, False))
+        self.assertIn("AssertionError: 1 != 2", there.failures[0][1])
+        self.assertIn("KeyError: 'k'", there.errors[0][1])
+        self.assertEqual(there.skipped[0][1], "why")
+
+
 # === machinery: paths, the driver in this process, the kits, the twins, README.md ===
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -988,6 +1027,37 @@ DOWNLOAD_7 = ("preconditions.py", "run_experiment.py", "results.json", "test_pre
               "README.md")
 # The project's top-level files: what --download reads.
 PROJECT = tuple(sorted(set(DOWNLOAD_1 + DOWNLOAD_7)))
+# A module of tests with each outcome a runner reports, for beyond/__init__.py's second process.
+OUTCOMES = """import unittest
+
+
+class Each(unittest.TestCase):
+    def test_passes(self):
+        pass
+
+    def test_fails(self):
+        self.assertEqual(1, 2)
+
+    def test_raises(self):
+        raise KeyError("k")
+
+    @unittest.skip("why")
+    def test_skipped(self):
+        pass
+
+    @unittest.expectedFailure
+    def test_expected_to_fail(self):
+        self.fail()
+
+    @unittest.expectedFailure
+    def test_passes_unexpectedly(self):
+        pass
+
+    def test_subtests(self):
+        for number in range(3):
+            with self.subTest(number=number):
+                self.assertEqual(number % 2, 0)
+"""
 # Article 7's execute() kit, and the imports a kit module starts with.
 KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks",
        "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
