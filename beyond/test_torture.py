@@ -118,6 +118,15 @@ class CheckTest(unittest.TestCase):
             "a reported answer that is not the stored decision": (
                 transfer, "UPDATE receipt SET result = json_set(result, '$.quantities.A', 6)"
                 " WHERE op = 'worker-0/t'", "reported worker-0/t applied, stored "),
+            "a done row with no response": (
+                sender, "UPDATE outbox SET response = NULL",
+                "outbox worker-0/op-0 done without a ticket: None"),
+            "a done row whose response is not JSON": (
+                sender, "UPDATE outbox SET response = 'x'",
+                "outbox worker-0/op-0 done without a ticket: x"),
+            "a blocked row with no response": (
+                sender, "UPDATE outbox SET state = 'blocked', response = NULL",
+                "outbox worker-0/op-0 blocked, not given up after 10 attempts: None"),
             "a blocked row that was not given up after MAX_ATTEMPTS": (
                 sender, "UPDATE outbox SET state = 'blocked', response = '{\"error\": \"x\"}'",
                 "outbox worker-0/op-0 blocked, not given up after 10 attempts: "),

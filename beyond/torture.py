@@ -205,14 +205,17 @@ def check(base, violations):
     for caller, key, state, attempts, response in outbox:
         states[state] += 1
         receipt = receipts.get((caller, key))
+        answer = _parsed(response)
         if state == "done":
-            ticket = json.loads(response)["ticket_id"]
-            if receipt != ticket:
+            ticket = answer.get("ticket_id") if type(answer) is dict else None
+            if ticket is None:
+                violations.append(f"outbox {caller}/{key} done without a ticket: {response}")
+            elif receipt != ticket:
                 violations.append(f"outbox {caller}/{key} done with ticket {ticket}, its receipt"
                                   f" names {receipt}")
         elif state == "blocked":
             # Unanswered MAX_ATTEMPTS times: parked for a person, as the protocol says.
-            if json.loads(response) != {"error": given_up}:
+            if answer != {"error": given_up}:
                 violations.append(f"outbox {caller}/{key} blocked, not given up after"
                                   f" {reliability.MAX_ATTEMPTS} attempts: {response}")
             elif attempts < reliability.MAX_ATTEMPTS:
@@ -417,6 +420,14 @@ def _recover(base, now):
 
 def _file(base, index, name):
     return os.path.join(base, f"worker-{index}.{name}")
+
+
+def _parsed(stored):
+    """A stored response as the JSON it holds, or None where it holds none (a broken run's)."""
+    try:
+        return json.loads(stored)
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def _lines(path, repair=False):
