@@ -974,9 +974,10 @@ def deliver_http(connection, url, row, *, timeout=CLIENT_TIMEOUT):
 
     The row (claimed under ``row["attempt"]``) is POSTed with its request ID as
     Idempotency-Key, or, for a tool without idempotency, to its external-tickets.  Refused
-    for good (key-reused, key-expired, corrupt-record): blocked.  A 2xx whose body answers the
-    request: acknowledged, "done" ("stale" where another attempt holds the row).  No valid
-    answer from a tool without idempotency: unknown, never sent again automatically.
+    for good (key-reused, key-expired, corrupt-record, or a problem whose retry is "never"):
+    blocked.  A 2xx whose body answers the request: acknowledged, "done" ("stale" where
+    another attempt holds the row).  No valid answer from a tool without idempotency:
+    unknown, never sent again automatically.
     Otherwise (a response lost on the wire, a 503): in flight until its lease ends, and the
     retry under the same key replays.  A key that no sf-string holds cannot be sent: blocked.
     Returns what happened, in "status", as deliver() does.
@@ -1053,13 +1054,18 @@ def _object(body):
 
 
 def _refusal(reply, response):
-    """The receiver's refusal for good, as deliver() records it, or None."""
+    """The receiver's refusal for good, as deliver() records it, or None: key-reused, key-expired
+    and corrupt-record, and any problem whose retry is "never" (as sent, the request is never
+    taken: sent again, it would be refused again, so a person fixes it)."""
     kinds = {"/problems/key-reused": "conflict", "/problems/key-expired": "expired",
              "/problems/corrupt-record": "corrupt"}
     if (reply.content_type != "application/problem+json" or response is None
-            or response.get("type") not in kinds or response.get("status") != reply.status):
+            or response.get("status") != reply.status):
         return None
-    return {"error": kinds[response["type"]], "message": str(response.get("detail", ""))}
+    kind = kinds.get(response.get("type"))
+    if kind is None and response.get("retry") == "never":
+        kind = str(response.get("type")).replace("/problems/", "", 1)
+    return None if kind is None else {"error": kind, "message": str(response.get("detail", ""))}
 
 
 # --- crash boundaries ----------------------------------------------------------------------

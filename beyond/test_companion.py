@@ -1005,7 +1005,7 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
                 self.assertTrue(getattr(here, name))
         self.assertEqual([test.id() for test in there.unexpectedSuccesses],
                          [test.id() for test in here.unexpectedSuccesses])
-        self.assertEqual((there.testsRun, there.wasSuccessful()), (here.testsRun, False))
+        self.assertEqual((there.wasSuccessful(), here.wasSuccessful()), (False, False))
         self.assertIn("AssertionError: 1 != 2", there.failures[0][1])
         self.assertIn("KeyError: 'k'", there.errors[0][1])
         self.assertEqual(there.skipped[0][1], "why")

@@ -1061,6 +1061,20 @@ class TheSenderOverHttp(unittest.TestCase):
             self.assertTrue(parked["reason"].startswith("expired "), parked)
             self.assertEqual(stored(root)["tickets"], 0)
 
+    def test_a_problem_whose_retry_is_never_blocks_the_row_with_its_reason(self):
+        with workspace() as root, served(root) as server:
+            enqueue(root, "t1", PAYLOAD, now=0)
+            # A sender pointed at a path the service does not have: 404 not-found, "never".
+            server.url += "/v2"
+            blocked = dispatch(root, server, 0)
+            self.assertEqual((blocked["status"], blocked["http_status"]), ("blocked", 404))
+            self.assertEqual(outbox(root), ("blocked", 1))
+            with opened(root, reliability.SENDER) as sender:
+                [parked] = reliability.snapshot(sender)["parked"]
+                self.assertIsNone(reliability.claim(sender, 100))
+            self.assertTrue(parked["reason"].startswith("not-found "), parked)
+            self.assertEqual(stored(root)["tickets"], 0)
+
     def test_a_busy_or_absent_service_leaves_the_row_in_flight(self):
         with workspace() as root:
             enqueue(root, "t1", PAYLOAD, now=0)
