@@ -1,8 +1,8 @@
 """Everything past the two articles: see README.md here.
 
 ``python3 -m unittest`` from the project's root runs this folder's tests too.  There, the tests of
-the PostgreSQL and HTTP editions (about half the suite's time) run in a second Python process,
-with the same flags, while the others run in this one; each of their results is then reported
+the PostgreSQL and HTTP editions run in a second Python process, with the same flags, while the
+others run in this one, so that a second core works too; each of their results is then reported
 here as the runner reports its own.  The second process ends at its next test once this one has
 gone.  With ``-k``, everything runs here.
 """
@@ -18,6 +18,7 @@ BESIDE = ("beyond.postgres.test_article1", "beyond.postgres.test_article7", "bey
 
 
 def load_tests(loader, tests, pattern):
+    """unittest's hook for a package it discovers: this folder's tests, BESIDE's left out here."""
     here = os.path.dirname(os.path.abspath(__file__))
     found = loader.discover(here, pattern or "test*.py", os.path.dirname(here))
     if loader.testNamePatterns:
@@ -83,16 +84,16 @@ def _report():
     os.dup2(2, 1)
     record = _Record(parent)
     unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
-    json.dump(record.outcomes, out)
+    json.dump(record.outcomes(), out)
     out.close()
 
 
 class _Record(unittest.TestResult):
-    """Each outcome as (id, name, description, kind, text)."""
+    """unittest's own record of outcomes, and of the tests that passed."""
 
     def __init__(self, parent):
         super().__init__()
-        self.parent, self.outcomes = parent, []
+        self.parent, self.passed = parent, []
 
     def startTest(self, test):
         # The process that would report these has gone: so does this one (atexit stops what
@@ -101,32 +102,18 @@ class _Record(unittest.TestResult):
             sys.exit(1)
         super().startTest(test)
 
-    def note(self, test, kind, text=None):
-        self.outcomes.append([test.id(), str(test), test.shortDescription(), kind, text])
-
     def addSuccess(self, test):
-        self.note(test, "success")
+        super().addSuccess(test)
+        self.passed.append(test)
 
-    def addSkip(self, test, reason):
-        self.note(test, "skip", reason)
-
-    def addFailure(self, test, err):
-        self.note(test, "failure", self._exc_info_to_string(err, test))
-
-    def addError(self, test, err):
-        self.note(test, "error", self._exc_info_to_string(err, test))
-
-    def addExpectedFailure(self, test, err):
-        self.note(test, "expected failure", self._exc_info_to_string(err, test))
-
-    def addUnexpectedSuccess(self, test):
-        self.note(test, "unexpected success")
-
-    def addSubTest(self, test, subtest, err):
-        if err is not None:
-            failed = issubclass(err[0], test.failureException)
-            self.note(subtest, "failure" if failed else "error",
-                      self._exc_info_to_string(err, test))
+    def outcomes(self):
+        """Each outcome as [id, name, description, kind, text]."""
+        kinds = [("success", [(test, None) for test in self.passed]),
+                 ("failure", self.failures), ("error", self.errors), ("skip", self.skipped),
+                 ("expected failure", self.expectedFailures),
+                 ("unexpected success", [(test, None) for test in self.unexpectedSuccesses])]
+        return [[test.id(), str(test), test.shortDescription(), kind, text]
+                for kind, tests in kinds for test, text in tests]
 
 
 class _Reported:
