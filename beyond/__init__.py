@@ -21,13 +21,18 @@ def load_tests(loader, tests, pattern):
     """unittest's hook for a package it discovers: this folder's tests, BESIDE's left out here."""
     here = os.path.dirname(os.path.abspath(__file__))
     found = loader.discover(here, pattern or "test*.py", os.path.dirname(here))
-    if loader.testNamePatterns:
+    each = list(_each(found))
+    beside = sorted({type(test).__module__ for test in each} & set(BESIDE))
+    if loader.testNamePatterns or not beside:
         return found
-    return _Beside(test for test in _each(found) if type(test).__module__ not in BESIDE)
+    suite = _Beside(test for test in each if type(test).__module__ not in beside)
+    suite.beside = beside
+    return suite
 
 
 class _Beside(unittest.TestSuite):
-    """Its own tests here, BESIDE's in a second process started first; then their results."""
+    """Its own tests here, those of the modules named in .beside in a second process started
+    first; then their results."""
 
     def run(self, result, debug=False):
         top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +41,8 @@ class _Beside(unittest.TestSuite):
         child = subprocess.Popen(
             [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
              "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
-             str(os.getpid()), *BESIDE], cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+             str(os.getpid()), *self.beside],
+            cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
             # Out of a terminal's reach: a Ctrl-C stops this process, which ends the other's
             # group whole.
             start_new_session=True)
