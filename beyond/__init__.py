@@ -3,10 +3,12 @@
 ``python3 -m unittest`` from the project's root runs this folder's tests too.  There, the tests of
 the PostgreSQL and HTTP editions run in a second Python process, with the same flags, while the
 others run in this one, so that a second core works too; each of their results is then reported
-here as the runner reports its own.  The second process ends at its next test once this one has
+here as the runner reports its own.  When the runner stops (-f, -c, Ctrl-C), the second process
+is interrupted, then what is left of its group killed; it ends at its next test once the runner has
 gone.  With ``-k``, everything runs here.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -46,13 +48,16 @@ class _Beside(unittest.TestSuite):
             # Out of a terminal's reach: a Ctrl-C stops this process, which ends the other's
             # group whole.
             start_new_session=True)
+        out = b""
         try:
             super().run(result, debug)
+            # Stopped (-f, or -c's first Ctrl-C): so is the second process, unreported.
+            if result.shouldStop:
+                return result
             out = child.communicate()[0]
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+                _stop(child)
             child.stdout.close()
         try:
             outcomes = json.loads(out)
@@ -61,6 +66,17 @@ class _Beside(unittest.TestSuite):
                          f"it exited {child.returncode} without its results"]]
         _replay(result, outcomes)
         return result
+
+
+def _stop(child):
+    """End the second process: an interrupt first, so that its tests' cleanups and atexit run
+    (folders, PostgreSQL); then whatever of its group is left, killed."""
+    child.send_signal(signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def _replay(result, outcomes):
