@@ -45,10 +45,9 @@ class _Beside(unittest.TestSuite):
              "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
              str(os.getpid()), *self.beside],
             cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            # Out of a terminal's reach: a Ctrl-C stops this process, which ends the other's
-            # group whole.
+            # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
+            # other (_stop).
             start_new_session=True)
-        out = b""
         try:
             super().run(result, debug)
             # Stopped (-f, or -c's first Ctrl-C): so is the second process, unreported.
