@@ -1287,6 +1287,8 @@ def fork(child):
     pid = os.fork()
     if pid == 0:
         code = 1
+        # Where a new process writes (fd 2), not into the parent's sys.stderr (unittest -b's).
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         try:
             for number in STOPS:
                 if signal.getsignal(number) is not signal.SIG_IGN or number == signal.SIGINT:

@@ -43,7 +43,7 @@ class _Beside(unittest.TestSuite):
         child = subprocess.Popen(
             [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
              "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
-             str(os.getpid()), *self.beside],
+             str(os.getpid()), "-b" if result.buffer else "-", *self.beside],
             cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
             # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
             # other (_stop).
@@ -59,11 +59,11 @@ class _Beside(unittest.TestSuite):
                 _stop(child)
             child.stdout.close()
         try:
-            outcomes = json.loads(out)
+            record = json.loads(out)
         except ValueError:
-            outcomes = [["beyond", "the second process", None, "error",
-                         f"it exited {child.returncode} without its results"]]
-        _replay(result, outcomes)
+            record = {"outcomes": [["beyond", "the second process", None, "error",
+                                    f"it exited {child.returncode} without its results"]]}
+        _replay(result, record)
         return result
 
 
@@ -78,9 +78,13 @@ def _stop(child):
     child.wait()
 
 
-def _replay(result, outcomes):
-    """Report ``outcomes`` (see _Record) to ``result`` as the tests' own."""
-    for ident, name, doc, kind, text in outcomes:
+def _replay(result, record):
+    """Report the second process's ``record`` (_Record.json) to ``result`` as the tests' own."""
+    # --durations (Python 3.12+): how long each took there.
+    for name, took in record.get("durations", ()):
+        if hasattr(result, "addDuration"):
+            result.addDuration(name, took)
+    for ident, name, doc, kind, text in record["outcomes"]:
         test = _Reported(ident, name, doc)
         result.startTest(test)
         if kind == "success":
@@ -99,13 +103,15 @@ def _replay(result, outcomes):
 
 def _report():
     """In the second process: run the named modules' tests; print their outcomes as JSON."""
-    parent, names = int(sys.argv[2]), sys.argv[3:]
+    parent, names = int(sys.argv[2]), sys.argv[4:]
     # What the tests print goes to stderr: stdout carries the outcomes alone.
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     record = _Record(parent)
+    # -b: what a test prints is held, and shown with its failure only.
+    record.buffer = sys.argv[3] == "-b"
     unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
-    json.dump(record.outcomes(), out)
+    json.dump(record.json(), out)
     out.close()
 
 
@@ -127,14 +133,15 @@ class _Record(unittest.TestResult):
         super().addSuccess(test)
         self.passed.append(test)
 
-    def outcomes(self):
-        """Each outcome as [id, name, description, kind, text]."""
+    def json(self):
+        """As JSON: "outcomes", each [id, name, description, kind, text]; "durations" (3.12+)."""
         kinds = [("success", [(test, None) for test in self.passed]),
                  ("failure", self.failures), ("error", self.errors), ("skip", self.skipped),
                  ("expected failure", self.expectedFailures),
                  ("unexpected success", [(test, None) for test in self.unexpectedSuccesses])]
-        return [[test.id(), str(test), test.shortDescription(), kind, text]
-                for kind, tests in kinds for test, text in tests]
+        return {"outcomes": [[test.id(), str(test), test.shortDescription(), kind, text]
+                             for kind, tests in kinds for test, text in tests],
+                "durations": getattr(self, "collectedDurations", [])}
 
 
 class _Reported:

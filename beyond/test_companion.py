@@ -496,6 +496,20 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                 self.assertEqual(child.returncode, code)
                 self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
 
+    def test_a_forked_child_writes_to_its_stderr_even_when_the_parents_is_a_buffer(self):
+        # As under python3 -m unittest -b: the parent's sys.stderr is no file at all.
+        def says(words):
+            sys.stderr.write(words)
+            raise ValueError("boom")
+        with tempfile.TemporaryFile() as stderr, mock.patch("sys.stderr", io.StringIO()) as held:
+            child = run_experiment.fork_child(says, ("one line, é\n",), stderr=stderr.fileno())
+            child.communicate(b"", timeout=WATCHDOG)
+            stderr.seek(0)
+            said = stderr.read().decode("utf-8")
+        self.assertEqual((child.returncode, held.getvalue()), (1, ""))
+        self.assertTrue(said.startswith("one line, é\nTraceback"), said)
+        self.assertTrue(said.endswith("ValueError: boom\n"), said)
+
     def test_a_single_article_run_names_what_it_has_and_what_another_scenario_needs(self):
         with tempfile.TemporaryDirectory() as parent:
             folder = os.path.join(parent, "article-1")
@@ -985,19 +999,21 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             with open(os.path.join(folder, "outcomes.py"), "w", encoding="utf-8") as module:
                 module.write(OUTCOMES)
-            # As _Beside starts it, with the fixture's folder on its path too.
+            # As _Beside starts it under -b, with the fixture's folder on its path too.
             done = subprocess.run(
                 [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1], sys.argv.pop()];"
-                 " import beyond; beyond._report()", ROOT, str(os.getpid()), "outcomes", folder],
-                capture_output=True, timeout=WATCHDOG)
+                 " import beyond; beyond._report()", ROOT, str(os.getpid()), "-b", "outcomes",
+                 folder], capture_output=True, timeout=WATCHDOG)
             self.assertEqual(done.returncode, 0, done.stderr)
             there = unittest.TestResult()
             beyond._replay(there, json.loads(done.stdout))
             spec = importlib.util.spec_from_file_location("outcomes", module.name)
             outcomes = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(outcomes)
-        here = unittest.TestResult()
-        unittest.defaultTestLoader.loadTestsFromModule(outcomes).run(here)
+        # What the failing test prints stays out of this run's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            here = unittest.TestResult()
+            unittest.defaultTestLoader.loadTestsFromModule(outcomes).run(here)
         for name in ("failures", "errors", "skipped", "expectedFailures"):
             with self.subTest(name):
                 self.assertEqual([test.id() for test, _ in getattr(there, name)],
@@ -1007,6 +1023,11 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
                          [test.id() for test in here.unexpectedSuccesses])
         self.assertEqual((there.wasSuccessful(), here.wasSuccessful()), (False, False))
         self.assertIn("AssertionError: 1 != 2", there.failures[0][1])
+        # -b: what the failing test printed is shown with its failure.
+        self.assertIn("Stdout:\nsaid before failing", there.failures[0][1])
+        # --durations (3.12+): each test's time, reported as the runner here reports it.
+        self.assertEqual([name for name, _ in getattr(there, "collectedDurations", [])],
+                         [name for name, _ in getattr(here, "collectedDurations", [])])
         self.assertIn("KeyError: 'k'", there.errors[0][1])
         self.assertEqual(there.skipped[0][1], "why")
 
@@ -1036,6 +1057,7 @@ class Each(unittest.TestCase):
         pass
 
     def test_fails(self):
+        print("said before failing")
         self.assertEqual(1, 2)
 
     def test_raises(self):
