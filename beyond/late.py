@@ -81,8 +81,9 @@ def connect(sender):
     """The late.db beside ``sender`` (a sender.db connection from reliability.connect()), open
     as reliability opens its files: WAL, synchronous=FULL, never created (init() makes it); a
     file of another kind or schema version raises before anything is written, and every SQLite
-    error of this connection names the file.  Unlike reliability.connect(), it does not look
-    for a hard link or an odd -wal or -shm beside it."""
+    error of this connection names the file.  A late.db with a second name (a hard link), or
+    something other than a file where its -wal or -shm go, is refused as reliability refuses its
+    own."""
     return _open(_beside(sender))
 
 
@@ -283,12 +284,14 @@ def _open(path):
     """Open an existing late.db: WAL, synchronous=FULL, autocommit (transaction() begins)."""
     if not os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, f"no {LATE} here: late.init(root) makes it", path)
+    reliability._check_file(path)
     # "file://" and an empty authority, so that ?, # and % stay in the name.
     uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
         "#", "%23") + "?mode=rw"
     try:
         connection = sqlite3.connect(uri, uri=True, isolation_level=None,
-                                     timeout=reliability.BUSY_TIMEOUT, factory=_Connection)
+                                     timeout=reliability.BUSY_TIMEOUT,
+                                     factory=reliability._Connection)
     except sqlite3.Error as error:
         raise type(error)(f"{path}: {error}") from None
     connection.path = path
@@ -307,18 +310,6 @@ def _open(path):
         connection.close()
         raise
     return connection
-
-
-class _Connection(sqlite3.Connection):
-    """late.db's connection: its SQLite errors name the file once, as reliability's do."""
-
-    def execute(self, sql, parameters=()):
-        try:
-            return super().execute(sql, parameters)
-        except sqlite3.Error as error:
-            named = type(error)(f"{self.path}: {error}")
-            vars(named).update(vars(error))
-            raise named from None
 
 
 def _build(root):
