@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import unittest
 
 BESIDE = ("beyond.postgres.test_article1", "beyond.postgres.test_article7", "beyond.test_http")
@@ -40,30 +41,28 @@ class _Beside(unittest.TestSuite):
         top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing takes
         # them.
-        child = subprocess.Popen(
-            [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
-             "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
-             str(os.getpid()), "-b" if result.buffer else "-", *self.beside],
-            cwd=top, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
-            # other (_stop).
-            start_new_session=True)
-        try:
-            super().run(result, debug)
-            # Stopped (-f, or -c's first Ctrl-C): so is the second process, unreported.
-            if result.shouldStop:
-                return result
-            out = child.communicate()[0]
-        finally:
-            if child.poll() is None:
-                _stop(child)
-            child.stdout.close()
-        try:
-            record = json.loads(out)
-        except ValueError:
-            record = {"outcomes": [["beyond", "the second process", None, "error",
-                                    f"it exited {child.returncode} without its results"]]}
-        _replay(result, record)
+        # Its record goes to a file, which never fills up as a pipe would while this process
+        # is busy with its own tests.
+        with tempfile.TemporaryFile() as said:
+            child = subprocess.Popen(
+                [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+                 "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()",
+                 top, str(os.getpid()), "-b" if result.buffer else "-", *self.beside],
+                cwd=top, stdout=said, stdin=subprocess.DEVNULL,
+                # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
+                # other (_stop).
+                start_new_session=True)
+            try:
+                super().run(result, debug)
+                # Stopped (-f, or -c's first Ctrl-C): so is the second process, unreported.
+                if result.shouldStop:
+                    return result
+                child.wait()
+            finally:
+                if child.poll() is None:
+                    _stop(child)
+            said.seek(0)
+            _replay(result, _lines(said.read()), child.returncode)
         return result
 
 
@@ -78,70 +77,113 @@ def _stop(child):
     child.wait()
 
 
-def _replay(result, record):
-    """Report the second process's ``record`` (_Record.json) to ``result`` as the tests' own."""
-    # --durations (Python 3.12+): how long each took there.
-    for name, took in record.get("durations", ()):
-        if hasattr(result, "addDuration"):
-            result.addDuration(name, took)
-    for ident, name, doc, kind, text in record["outcomes"]:
-        test = _Reported(ident, name, doc)
-        result.startTest(test)
-        if kind == "success":
-            result.addSuccess(test)
-        elif kind == "skip":
-            result.addSkip(test, text)
-        elif kind == "expected failure":
-            result.addExpectedFailure(test, (_Failed, _Failed(text), None))
-        elif kind == "unexpected success":
-            result.addUnexpectedSuccess(test)
+def _replay(result, lines, code):
+    """Report what the second process wrote (see _Record) to ``result`` as the tests' own, in
+    the order it ran them.  If it ended before its last line, whatever ended it: one error more,
+    naming the last test it started and its exit status ``code``."""
+    running = "none"
+    for line in lines:
+        if "running" in line:
+            running = line["running"]
+        elif "outcome" in line:
+            _replay_one(result, *line["outcome"])
         else:
-            getattr(result, "addFailure" if kind == "failure" else "addError")(
-                test, (_Failed, _Failed(text), None))
-        result.stopTest(test)
+            # --durations (Python 3.12+): how long each took there.
+            for name, took in line["durations"]:
+                if hasattr(result, "addDuration"):
+                    result.addDuration(name, took)
+            return
+    _replay_one(result, "beyond", "the second process", None, "error",
+                f"it ended (exit status {code}) without the rest of its record; the last test it"
+                f" started: {running}")
+
+
+def _lines(data):
+    """The JSON lines the second process wrote, up to one cut short."""
+    lines = []
+    for line in data.split(b"\n"):
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            break
+    return lines
+
+
+def _replay_one(result, ident, name, doc, kind, text):
+    """One outcome, as the runner reports a test's own."""
+    test = _Reported(ident, name, doc)
+    result.startTest(test)
+    if kind == "success":
+        result.addSuccess(test)
+    elif kind == "skip":
+        result.addSkip(test, text)
+    elif kind == "expected failure":
+        result.addExpectedFailure(test, (_Failed, _Failed(text), None))
+    elif kind == "unexpected success":
+        result.addUnexpectedSuccess(test)
+    else:
+        getattr(result, "addFailure" if kind == "failure" else "addError")(
+            test, (_Failed, _Failed(text), None))
+    result.stopTest(test)
 
 
 def _report():
-    """In the second process: run the named modules' tests; print their outcomes as JSON."""
+    """In the second process: run the named modules' tests, writing their outcomes as they come
+    (see _Record)."""
     parent, names = int(sys.argv[2]), sys.argv[4:]
-    # What the tests print goes to stderr: stdout carries the outcomes alone.
+    # What the tests print goes to stderr: stdout carries the record alone.
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
-    record = _Record(parent)
+    record = _Record(parent, out)
     # -b: what a test prints is held, and shown with its failure only.
     record.buffer = sys.argv[3] == "-b"
     unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
-    json.dump(record.json(), out)
+    record.write_new()
+    record.write({"durations": getattr(record, "collectedDurations", [])})
     out.close()
 
 
 class _Record(unittest.TestResult):
-    """unittest's own record of outcomes, and of the tests that passed."""
+    """unittest's own record of outcomes, written to ``out`` as JSON lines as they come: the test
+    it starts ({"running": id}), each outcome ({"outcome": [id, name, description, kind,
+    text]}), and last the durations (Python 3.12+; [] before)."""
 
-    def __init__(self, parent):
+    def __init__(self, parent, out):
         super().__init__()
-        self.parent, self.passed = parent, []
+        self.parent, self.out, self.passed, self.written = parent, out, [], {}
 
     def startTest(self, test):
         # The process that would report these has gone: so does this one (atexit stops what
         # the tests started).
         if os.getppid() != self.parent:
             sys.exit(1)
+        self.write({"running": test.id()})
         super().startTest(test)
+
+    def stopTest(self, test):
+        super().stopTest(test)
+        self.write_new()
 
     def addSuccess(self, test):
         super().addSuccess(test)
         self.passed.append(test)
 
-    def json(self):
-        """As JSON: "outcomes", each [id, name, description, kind, text]; "durations" (3.12+)."""
+    def write_new(self):
+        """The outcomes not written yet, from unittest's lists and the tests that passed."""
         kinds = [("success", [(test, None) for test in self.passed]),
                  ("failure", self.failures), ("error", self.errors), ("skip", self.skipped),
                  ("expected failure", self.expectedFailures),
                  ("unexpected success", [(test, None) for test in self.unexpectedSuccesses])]
-        return {"outcomes": [[test.id(), str(test), test.shortDescription(), kind, text]
-                             for kind, tests in kinds for test, text in tests],
-                "durations": getattr(self, "collectedDurations", [])}
+        for kind, tests in kinds:
+            for test, text in tests[self.written.get(kind, 0):]:
+                self.write({"outcome": [test.id(), str(test), test.shortDescription(), kind,
+                                        text]})
+            self.written[kind] = len(tests)
+
+    def write(self, line):
+        # Flushed: a test that ends this process leaves what came before it.
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
 
 
 class _Reported:

@@ -1007,14 +1007,10 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             with open(os.path.join(folder, "outcomes.py"), "w", encoding="utf-8") as module:
                 module.write(OUTCOMES)
-            # As _Beside starts it under -b, with the fixture's folder on its path too.
-            done = subprocess.run(
-                [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1], sys.argv.pop()];"
-                 " import beyond; beyond._report()", ROOT, str(os.getpid()), "-b", "outcomes",
-                 folder], capture_output=True, timeout=WATCHDOG)
+            done = beside(folder, "-b", "outcomes")
             self.assertEqual(done.returncode, 0, done.stderr)
             there = unittest.TestResult()
-            beyond._replay(there, json.loads(done.stdout))
+            beyond._replay(there, beyond._lines(done.stdout), done.returncode)
             spec = importlib.util.spec_from_file_location("outcomes", module.name)
             outcomes = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(outcomes)
@@ -1038,6 +1034,19 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
                          [name for name, _ in getattr(here, "collectedDurations", [])])
         self.assertIn("KeyError: 'k'", there.errors[0][1])
         self.assertEqual(there.skipped[0][1], "why")
+
+    def test_a_second_process_that_dies_in_a_test_leaves_what_came_before_and_names_that_test(
+            self):
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "dying.py"), "w", encoding="utf-8") as module:
+                module.write(DYING)
+            done = beside(folder, "-", "dying")
+        there = unittest.TestResult()
+        beyond._replay(there, beyond._lines(done.stdout), done.returncode)
+        self.assertEqual((done.returncode, there.testsRun, len(there.errors)), (3, 2, 1))
+        self.assertEqual(there.errors[0][0].id(), "beyond")
+        self.assertIn("it ended (exit status 3) without the rest of its record; the last test"
+                      " it started: dying.Dies.test_2_dies", there.errors[0][1])
 
 
 # === machinery: paths, the driver in this process, the kits, the twins, README.md ===
@@ -1088,6 +1097,21 @@ class Each(unittest.TestCase):
             with self.subTest(number=number):
                 self.assertEqual(number % 2, 0)
 """
+# A module of tests whose second test ends its process.
+DYING = """import os
+import unittest
+
+
+class Dies(unittest.TestCase):
+    def test_1_passes(self):
+        pass
+
+    def test_2_dies(self):
+        os._exit(3)
+
+    def test_3_never_runs(self):
+        pass
+"""
 # Article 7's execute() kit, and the imports a kit module starts with.
 KIT = ["execute", "history", "_expired", "validate", "_check_text", "_check_int", "check_ticks",
        "transaction", "crash_point", "CRASH_AT", "EXIT_CODES", "MAX_OP_LENGTH", "MAX_NAME_LENGTH",
@@ -1121,6 +1145,15 @@ def run_main(*argv):
         except SystemExit as stop:
             code = stop.code
     return code, out.getvalue(), err.getvalue()
+
+
+def beside(folder, buffer, module):
+    """``module`` of ``folder`` run as beyond/__init__.py's second process, started as _Beside
+    starts it (``buffer``: "-b" or "-"), to its end."""
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1], sys.argv.pop()];"
+         " import beyond; beyond._report()", ROOT, str(os.getpid()), buffer, module, folder],
+        capture_output=True, timeout=WATCHDOG)
 
 
 def in_download(folder, *argv):
