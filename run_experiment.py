@@ -165,8 +165,7 @@ def after_intent_commit(run):
 @scenario("article_1", "sender dies after claiming: once the lease ends, attempt 2 delivers")
 def after_claim(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
-                                                     crash="after_claim"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", 0, crash="after_claim"))
     early = observe(run, "before_lease_expiry", dispatch(run, 9, lane="recovery"))
     final = observe(run, "after_recovery", dispatch(run, 11, lane="recovery"))
     run.expect("lease holds until tick 10", (first["attempts"], early["attempts"]), (1, 1))
@@ -212,8 +211,7 @@ def after_response_before_ack(run):
 @scenario("article_1", "sender dies after recording done: the restart sends nothing")
 def after_ack(run):
     enqueue(run)
-    first = observe(run, "after_crash", sender_child(run, "dispatch", 0,
-                                                     crash="after_ack"))
+    first = observe(run, "after_crash", sender_child(run, "dispatch", 0, crash="after_ack"))
     final = observe(run, "after_restart", dispatch(run, 11, lane="recovery"))
     run.expect("done before the crash", first["sender_state"], "done")
     run.expect("restart sends nothing", pick(final, "attempts", "receiver_tickets"), (1, 1))
