@@ -340,10 +340,11 @@ def _open(path, application_ids):
     keys, autocommit (transaction() begins).  A missing file is never created; another kind or
     schema version, and what _check_file refuses, raise before anything is written; every SQLite
     error names the path (_Connection).  A -wal copied in beside it is SQLite's to apply."""
+    # One file for the checks and SQLite, as the system resolves it: a trailing /, .. after links.
+    real = os.path.realpath(path)
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
-    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
-        "#", "%23") + "?mode=rw"
-    _check_file(path)
+    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
+    _check_file(path, real)
     try:
         connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT,
                                      factory=_Connection)
@@ -389,10 +390,10 @@ def _check_kind(connection, application_ids):
             f" {SCHEMA_VERSION}"))
 
 
-def _check_file(path):
-    """What SQLite would take silently, refused naming the path before it opens the file."""
+def _check_file(path, real):
+    """What SQLite would take silently at ``real``, refused naming ``path`` before it opens."""
     try:
-        found = os.stat(path)
+        found = os.stat(real)
     # Missing or out of reach: SQLite says so.
     except OSError:
         return
@@ -401,12 +402,11 @@ def _check_file(path):
         raise OSError(errno.EMLINK, "the database has more than one name (a hard link), and"
                       " each name would keep its own -wal", path)
     # SQLite would open it read-only, and make a -wal and -shm its owner may not write.
-    if stat.S_ISREG(found.st_mode) and not os.access(path, os.R_OK | os.W_OK):
-        raise PermissionError(errno.EACCES, "the database is not writable by this process",
-                              path)
+    if stat.S_ISREG(found.st_mode) and not os.access(real, os.R_OK | os.W_OK):
+        raise PermissionError(errno.EACCES, "the database is not writable by this process", path)
     # Beside the file a link names: a FIFO, device or folder there would fail every commit, or
     # hang, and SQLite would delete it on closing.
-    for companion in (os.path.realpath(path) + "-wal", os.path.realpath(path) + "-shm"):
+    for companion in (real + "-wal", real + "-shm"):
         try:
             if not stat.S_ISREG(os.lstat(companion).st_mode):
                 raise OSError(errno.EINVAL, "SQLite's -wal and -shm must be regular files",

@@ -27,6 +27,7 @@ if sys.version_info < (3, 9):
 import ast
 import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import inspect
@@ -764,6 +765,21 @@ class OnlyAnExistingDatabaseOfOursOpens(Case):
         self.assertIn("not writable", refused[0])
         self.assertEqual(refused[1], refused[0].replace(self.db, link))
 
+    def test_each_spelling_of_a_name_is_checked_as_the_very_file_sqlite_opens(self):
+        os.link(self.db, self.db + ".second")
+        # A trailing / and a .. after a folder that is not there: both spell self.db.
+        for name in (self.db + "/", os.path.join(self.dir, "nowhere", "..", "t.db")):
+            with self.subTest(name=name), self.assertRaises(OSError) as refused:
+                pre.connect(name).close()
+            self.assertEqual(refused.exception.errno, errno.EMLINK)
+        # A .. after a link to a folder elsewhere: the file beside that folder, not self.db.
+        elsewhere = os.path.join(self.dir, "elsewhere")
+        os.makedirs(os.path.join(elsewhere, "deep"))
+        os.symlink(os.path.join(elsewhere, "deep"), os.path.join(self.dir, "lnk"))
+        pre.init(os.path.join(elsewhere, "t.db"), {"C": 3})
+        with contextlib.closing(pre.connect(os.path.join(self.dir, "lnk", "..", "t.db"))) as c:
+            self.assertEqual(c.execute("SELECT name FROM resources").fetchall(), [("C",)])
+
     def test_paths_with_uri_special_characters_open_exactly_the_file_named(self):
         folder = os.path.join(self.dir, "odd %41 #dir?")
         os.mkdir(folder)
@@ -1498,7 +1514,7 @@ def write_as_nobody(path, write, before_open=None):
     _become_nobody()
     if before_open is not None:
         checked = UNDER_TEST._check_file
-        UNDER_TEST._check_file = lambda name: checked(name) or before_open()
+        UNDER_TEST._check_file = lambda *names: checked(*names) or before_open()
     try:
         with contextlib.closing(UNDER_TEST.connect(path)) as connection:
             write(connection)

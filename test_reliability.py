@@ -43,6 +43,7 @@ if sys.version_info < (3, 9):
 
 import ast
 import contextlib
+import errno
 import functools
 import hashlib
 import itertools
@@ -2234,6 +2235,24 @@ class UnreadableOrReadOnlyFilesAreRefused(unittest.TestCase):
             self.assertIn("not writable", refused[0])
             self.assertEqual(refused[1], refused[0].replace(path, link))
 
+    def test_each_spelling_of_a_name_is_checked_as_the_very_file_sqlite_opens(self):
+        with workspace() as ws, tempfile.TemporaryDirectory() as elsewhere:
+            path = ws.path("receiver")
+            os.link(path, path + ".second")
+            # A trailing / and a .. after a folder that is not there: both spell the file.
+            for name in (path + "/", os.path.join(ws.root, "nowhere", "..", reliability.RECEIVER)):
+                with self.subTest(name=name), self.assertRaises(OSError) as refused:
+                    reliability.connect(name).close()
+                self.assertEqual(refused.exception.errno, errno.EMLINK)
+            # A .. after a link to a folder elsewhere: the file beside that folder.
+            os.mkdir(os.path.join(elsewhere, "deep"))
+            os.symlink(os.path.join(elsewhere, "deep"), os.path.join(ws.root, "lnk"))
+            reliability.init(elsewhere)
+            with contextlib.closing(reliability.connect(
+                    os.path.join(ws.root, "lnk", "..", reliability.RECEIVER))) as connection:
+                opened = [row[2] for row in connection.execute("PRAGMA database_list")]
+            self.assertEqual(opened, [os.path.realpath(os.path.join(elsewhere, "receiver.db"))])
+
 
 class FailedSystemCallsAreUnknownOrOneLine(unittest.TestCase):
     """Beyond 第一篇: a COMMIT whose fsync fails is an unknown outcome; an unopenable WAL is one
@@ -3013,7 +3032,7 @@ def write_as_nobody(path, write, before_open=None):
     _become_nobody()
     if before_open is not None:
         checked = UNDER_TEST._check_file
-        UNDER_TEST._check_file = lambda name: checked(name) or before_open()
+        UNDER_TEST._check_file = lambda *names: checked(*names) or before_open()
     try:
         with contextlib.closing(UNDER_TEST.connect(path)) as connection:
             write(connection)

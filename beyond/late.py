@@ -284,10 +284,11 @@ def _open(path):
     """Open an existing late.db: WAL, synchronous=FULL, autocommit (transaction() begins)."""
     if not os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, f"no {LATE} here: late.init(root) makes it", path)
-    reliability._check_file(path)
+    # Checked and opened under one name, as reliability does (_open).
+    real = os.path.realpath(path)
+    reliability._check_file(path, real)
     # "file://" and an empty authority, so that ?, # and % stay in the name.
-    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
-        "#", "%23") + "?mode=rw"
+    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
     try:
         connection = sqlite3.connect(uri, uri=True, isolation_level=None,
                                      timeout=reliability.BUSY_TIMEOUT,
