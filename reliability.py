@@ -142,7 +142,7 @@ def enqueue(connection, caller, key, payload, *, now, mode="idempotent"):
     check_identity(caller, key)
     text, digest = canonical(payload)
     check_ticks(0, now)
-    if mode not in MODES:
+    if type(mode) is not str or mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
     with transaction(connection):
         old = connection.execute("SELECT mode, digest FROM requests WHERE caller = ? AND key = ?",

@@ -509,6 +509,16 @@ class OnlyExactJsonIsAcceptedBeforeAnyTransaction(unittest.TestCase):
                                 write(caller, key, PAYLOAD)
                             self.assertEqual(counts(ws), EMPTY)
 
+    def test_a_mode_not_exactly_one_of_modes_is_refused_with_nothing_stored(self):
+        # A str subclass could compare equal to anything and reach the table's CHECK.
+        anything = type("Anything", (str,), {"__eq__": lambda self, other: True,
+                                             "__hash__": str.__hash__})
+        with workspace() as ws:
+            for mode in ("other", None, anything("idempotent"), anything("x")):
+                with self.subTest(mode=mode), self.assertRaises(ValueError):
+                    reliability.enqueue(ws.sender, "agent", "k1", PAYLOAD, now=0, mode=mode)
+                self.assertEqual(counts(ws), EMPTY)
+
     def test_size_limits_are_inclusive_payload_in_utf8_bytes_identity_in_characters(self):
         filler = MAX_PAYLOAD_BYTES - len('{"a":""}')
         self.assertEqual(len(reliability.canonical({"a": "x" * filler})[0].encode()),
