@@ -105,8 +105,7 @@ SCHEMAS = {
             ticket_id INTEGER NOT NULL REFERENCES tickets (id),
             tick INTEGER NOT NULL,
             PRIMARY KEY (caller, key)) WITHOUT ROWID""",
-        # Beyond 第一篇: receipts older than low_water may be gone, so a request issued
-        # before it is refused.
+        # Beyond 第一篇: receipts older than low_water may be gone; requests issued earlier refused.
         "CREATE TABLE retention (id INTEGER PRIMARY KEY CHECK (id = 1),"
         " low_water INTEGER NOT NULL)",
         "INSERT INTO retention VALUES (1, 0)",
@@ -303,8 +302,7 @@ def start_child(argv):
     started it, which kills and reaps it (call_tool does, whatever ends it)."""
     import subprocess
     return subprocess.Popen([_interpreter(), "-I", "-S", os.path.abspath(__file__), *argv],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
 
 
 def _interpreter():
@@ -409,8 +407,7 @@ def _oldest_due(connection, now):
         " BLOB), CAST(r.payload AS BLOB) FROM outbox o JOIN requests r ON r.caller = o.caller"
         " AND r.key = o.key WHERE (o.state = 'pending' OR o.state = 'inflight'"
         " AND o.lease_until <= ?) AND (r.issued_at <= ? OR typeof(r.issued_at) <> 'integer')"
-        " ORDER BY o.id LIMIT 1",
-        (now, now)).fetchone()
+        " ORDER BY o.id LIMIT 1", (now, now)).fetchone()
     if found is None:
         return None
     number, state, used, texts, attempts, issued_at, mode = found[:7]
@@ -780,6 +777,9 @@ def _least_bytes(value):
     if kind in (str, list):
         return len(value) + (2 if kind is str else 1)
     if kind is int:
+        # Under 2**14284, so at most 4300 digits: what CPython 3.11+ reads back by default.
+        if value.bit_length() > 14284:
+            raise ValueError("payload holds an int of more than 4300 digits")
         return 1 + value.bit_length() // 5
     if kind is dict and all(type(name) is str for name in value):
         return 1 + sum(map(len, value)) + 3 * len(value)

@@ -541,6 +541,19 @@ class OnlyExactJsonIsAcceptedBeforeAnyTransaction(unittest.TestCase):
         with workspace() as ws:
             self.assertEqual(receive(ws, payload=payload)["ticket_id"], 1)
 
+    def test_an_int_that_a_default_cpython_cannot_read_back_is_refused_with_nothing_stored(self):
+        # As on Python 3.9 and 3.10, or in a process that lifted the limit of int digits.
+        if hasattr(sys, "set_int_max_str_digits"):
+            self.addCleanup(sys.set_int_max_str_digits, sys.get_int_max_str_digits())
+            sys.set_int_max_str_digits(0)
+        # 2**14284 - 1 has 4300 digits, CPython 3.11+'s default limit, and passes.
+        self.assertEqual(len(reliability.canonical({"n": 2 ** 14284 - 1})[0]), 4306)
+        with workspace() as ws:
+            for number in (2 ** 14284, -(2 ** 14284), 10 ** 5000):
+                with self.subTest(bits=number.bit_length()), self.assertRaises(ValueError):
+                    enqueue(ws, payload={"n": number})
+            self.assertEqual(counts(ws), EMPTY)
+
     def test_a_payload_nested_too_deeply_is_a_value_error_before_any_transaction(self):
         self.assertEqual(reliability.MAX_PAYLOAD_DEPTH, 32)
 
