@@ -777,8 +777,8 @@ def _least_bytes(value):
     if kind in (str, list):
         return len(value) + (2 if kind is str else 1)
     if kind is int:
-        # Under 2**14284, so at most 4300 digits: what CPython 3.11+ reads back by default.
-        if value.bit_length() > 14284:
+        # At most 4300 digits, what CPython 3.11+ reads by default (counted only past 2**14284).
+        if value.bit_length() > 14284 and abs(value) >= 10 ** 4300:
             raise ValueError("payload holds an int of more than 4300 digits")
         return 1 + value.bit_length() // 5
     if kind is dict and all(type(name) is str for name in value):
