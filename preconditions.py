@@ -235,7 +235,8 @@ def connect(path):
 
 def init(path, resources):
     """Create a database at ``path`` with each resource's quantity at revision 1, whole or not at
-    all; never over an existing file (FileExistsError)."""
+    all; never over an existing file (FileExistsError).  Killed midway, it may leave a file
+    connect() refuses (it has no kind): remove it, then init again."""
     if type(resources) is not dict:
         raise TypeError(f"resources must be a dict, not {type(resources).__name__}")
     if not resources:
@@ -417,7 +418,8 @@ def _check_file(path, real):
 
 def _create(path, application_id, schema, fill=None):
     """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), whole
-    or not at all; never over a file or a journal an earlier one left (FileExistsError)."""
+    or not at all, or if killed midway a file without its kind; never over a file or a journal an
+    earlier one left (FileExistsError)."""
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)

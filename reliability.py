@@ -636,12 +636,10 @@ def _settle(connection, caller, key, attempt, state, response, answer):
 
 def _alive(pid):
     try:
-        # A reused pid counts as alive: the safe mistake.
+        # A reused pid counts as alive, the safe mistake; so does another user's (PermissionError).
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    except (ProcessLookupError, PermissionError) as error:
+        return isinstance(error, PermissionError)
     return True
 
 
@@ -654,7 +652,8 @@ def connect(path):
 
 def init(root):
     """Create sender.db, receiver.db and external.db under ``root``, all or none; never over an
-    existing file (FileExistsError)."""
+    existing file (FileExistsError).  Killed midway, it may leave a file connect() refuses (it has
+    no kind): remove it, then init again."""
     os.makedirs(root, exist_ok=True)
     made = []
     try:
@@ -899,7 +898,8 @@ def _check_file(path, real):
 
 def _create(path, application_id, schema, fill=None):
     """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), whole
-    or not at all; never over a file or a journal an earlier one left (FileExistsError)."""
+    or not at all, or if killed midway a file without its kind; never over a file or a journal an
+    earlier one left (FileExistsError)."""
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)

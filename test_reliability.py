@@ -249,6 +249,10 @@ class InitMakesAWholeDatabaseOrNothing(unittest.TestCase):
             self.assertEqual(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), 9)
             with self.assertRaisesRegex(sqlite3.DatabaseError, "not a database of this module"):
                 reliability.connect(path)
+            # Nor does init take it over: it stays, for a person to remove.
+            with self.assertRaises(FileExistsError):
+                reliability.init(root)
+            self.assertEqual(os.listdir(root), [RECEIVER])
 
 
 class SnapshotReadsOneState(unittest.TestCase):
