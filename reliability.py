@@ -819,8 +819,8 @@ def check_ticks(issued_at, now):
 def _open(path, application_ids):
     """Open an existing database of ours and let SQLite decide: WAL, synchronous=FULL, foreign
     keys, autocommit (transaction() begins).  A missing file is never created; another kind or
-    schema version, and what _check_file refuses, raise before anything is written; every SQLite
-    error names the path (_Connection).  A -wal copied in beside it is SQLite's to apply."""
+    schema version, and what _check_file refuses, raise before this writes anything; every SQLite
+    error names the path (_Connection).  SQLite recovers each file it opens (-wal), refused too."""
     # One file for the checks and SQLite, as the system resolves it: a trailing /, .. after links.
     real = os.path.realpath(path)
     # "file://" and an empty authority, so that ?, #, % and a leading // stay in the name.
