@@ -74,7 +74,8 @@ SCHEMA = (
 # --- 第七篇: the protocol ---------------------------------------------------------------------
 
 def history(c, op, digest):
-    """第七篇 §2: what the receipt of ``op`` says, or None for a new op.
+    """第七篇 §2: what the receipt of ``op`` says, or None for a new op.  It checks nothing:
+    execute() and change() pass it an ``op`` they have checked (a str).
 
     The article's query, unchanged: the same command is "replayed" with the stored result
     (history, not the present), another command under the same op is "conflict".
