@@ -936,19 +936,25 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
         # Printed through sys.stdout: the child flushes it before it exits.
         code, out, _ = cli("--help")
         self.assertEqual(code, 0)
+        listed = out.split("FUNCTION: ")[1].strip().split(", ")
         for function in ("init", "enqueue", "claim", "dispatch", "deliver", "snapshot",
                          "reconcile", "resolve", "purge"):
-            self.assertIn(function, out)
+            self.assertIn(function, listed)
+        # What answers with no JSON, or is no function, is neither listed nor run.
+        for other in ("transaction", "connect", "serve", "tool_child", "Conflict", "Expired"):
+            self.assertNotIn(other, listed)
         with workspace() as ws:
             ws.close()
-            for argv, said in ((["nothing"], "usage"),
+            for argv, said in ((["nothing"], "usage"), (["connect", ws.path("sender")], "usage"),
+                               (["Conflict"], "usage"), (["transaction", ws.path("sender")],
+                                                          "usage"),
                                (["enqueue", ws.path("sender")], "'caller'"),
                                (["dispatch", ws.path("sender"), ws.root, "--now", 0, "--crash",
                                  "after_commit"], "named boundary")):
                 with self.subTest(argv=argv[:1]):
                     code, out, err = cli(*argv)
                     self.assertEqual((code, out, len(err.splitlines())), (2, "", 1 + (
-                        argv == ["nothing"])), err)
+                        said == "usage")), err)
                     self.assertIn(said, err)
             self.assertEqual(counts(ws), EMPTY)
 
@@ -1168,11 +1174,18 @@ class TheCommandLineAnswersInOneUtf8Line(unittest.TestCase):
                                          os.getsid(child) != os.getsid(pid)))
                             return True
                     return False
-                with raw(ws.path("receiver")) as receiver:
-                    receiver.execute("BEGIN IMMEDIATE")
-                    done = at_a_terminal([sys.executable, DRIVER, "reliability", "dispatch",
-                                          ws.path("sender"), ws.root, "--now", "0"], ready, stop)
-                    receiver.execute("ROLLBACK")
+                try:
+                    with raw(ws.path("receiver")) as receiver:
+                        receiver.execute("BEGIN IMMEDIATE")
+                        done = at_a_terminal([sys.executable, DRIVER, "reliability", "dispatch",
+                                              ws.path("sender"), ws.root, "--now", "0"], ready,
+                                             stop)
+                        receiver.execute("ROLLBACK")
+                finally:
+                    # Should this test end first (an interrupt), the child it stopped goes too.
+                    for child, started, _ in held:
+                        if started_at(child) == started:
+                            os.kill(child, signal.SIGKILL)
                 self.assertEqual(done, (130, "run_experiment.py: interrupted\n", []))
                 # In a session of its own, out of the terminal's reach: dispatch killed it.
                 child, started, apart = held[0]
