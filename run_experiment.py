@@ -987,11 +987,14 @@ def run_all(names):
     """Run scenarios one after another, each in a folder of its own under one temporary folder,
     which goes once they have; their Runs, in the order of ``names``."""
     base = tempfile.mkdtemp(prefix="reliability-experiment-")
+    # This run's children only: the pid of one reaped earlier may name another process by now.
+    FORKED.clear()
     try:
         if reliability is not None:
             reliability.init(os.path.join(base, "template"))
         return [run_scenario(name, base) for name in names]
     finally:
+        end_forked()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -1275,6 +1278,26 @@ def stops_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
+# The children fork() has made: a stop that comes before a caller records one still finds it
+# (end_forked).
+FORKED = set()
+
+
+def end_forked():
+    """Kill and reap every child fork() made that is still this process's, and its group."""
+    for pid in FORKED:
+        try:
+            # Not reaped yet, running or not: its pid, and the group it may lead, are still its.
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError):
+                kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    FORKED.clear()
+
+
 def fork(child):
     """Fork a child that runs ``child()`` and exits as sys.exit(child()) would, never returning
     into the caller; 1 and its traceback if it raises.  Stops end it quietly (the driver
@@ -1282,8 +1305,13 @@ def fork(child):
     # Or the child would print what is buffered again.
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
+    # Held from the fork until the child is recorded here, or in the child until its own
+    # handlers are set: a stop can neither lose a child nor run this process's handler in one.
+    with stops_held():
+        pid = os.fork()
+        if pid:
+            FORKED.add(pid)
+            return pid
         code = 1
         # Where a new process writes (fd 2), not into the parent's sys.stderr (unittest -b's).
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
@@ -1306,7 +1334,6 @@ def fork(child):
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(code if isinstance(code, int) else int(code is not None))
-    return pid
 
 
 def fork_json(function, *args):
@@ -1449,16 +1476,21 @@ def main(argv=None):
     try:
         if not hasattr(os, "fork"):
             refuse("its children are forked, and this system has no os.fork")
-        return step(argv) if argv[:1] in (["reliability"], ["preconditions"]) else _main(argv)
+        code = step(argv) if argv[:1] in (["reliability"], ["preconditions"]) else _main(argv)
+        # Written out here, where a failure is still one line.
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         print("run_experiment.py: interrupted", file=sys.stderr)
         return 130
     # A usage error, or --help: its status, also where main() runs in a forked child.
     except SystemExit as stop:
         return stop.code
-    # Its reader went away (| head): stop quietly, the exit flush too.
-    except BrokenPipeError:
+    # Its reader went away (| head), quietly, or a disk is full: the exit's flush is quiet too.
+    except OSError as error:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(error, BrokenPipeError):
+            print(f"run_experiment.py: {error}", file=sys.stderr)
         return 1
 
 
@@ -1491,7 +1523,10 @@ def _usable(args):
 def _main(argv):
     parser = argparse.ArgumentParser(
         prog="run_experiment.py", description=__doc__.split("\n")[0],
-        epilog="exit status: 0 all good, 1 a mismatch or a failed invariant, 2 bad usage")
+        epilog="exit status: 0 all good, 1 a mismatch, a failed invariant or a failed write,"
+        " 2 bad usage, 130 interrupted (Ctrl-C, SIGTERM, SIGHUP)")
+    # Bad usage is one line, as everywhere else.
+    parser.error = refuse
     parser.add_argument("--check", nargs="?", const=RESULTS, metavar="PATH",
                         help="compare with PATH (default: results.json next to this script)")
     parser.add_argument("--output", metavar="FILE", help="write the deterministic results to FILE")
@@ -1661,10 +1696,13 @@ def step(argv):
     name, module = argv[0], MODULES[argv[0] + ".py"]
     if module is None:
         refuse(f"{name}.py is not next to this script")
-    if argv[1:2] in ([], ["-h"], ["--help"]) or argv[1] not in module.__all__:
+    # Not a class, nor what answers with no JSON (a context, a connection) or serves a pipe.
+    steps = [each for each in module.__all__ if inspect.isfunction(getattr(module, each))
+             and each not in ("transaction", "connect", "serve", "tool_child")]
+    if argv[1:2] in ([], ["-h"], ["--help"]) or argv[1] not in steps:
         asked = argv[1:2] in (["-h"], ["--help"])
         print(f"usage: run_experiment.py {name} FUNCTION ARG... [--NAME VALUE]...\nFUNCTION: "
-              + ", ".join(module.__all__), file=sys.stdout if asked else sys.stderr)
+              + ", ".join(steps), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     function = getattr(module, argv[1])
     parameters = inspect.signature(function).parameters

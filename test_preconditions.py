@@ -899,6 +899,12 @@ class TheCommandLineAnswersInOneUtf8Line(Case):
         self.assertEqual(code, 0)
         for function in ("init", "execute", "change", "purge", "snapshot", "history"):
             self.assertIn(function, out)
+        for other in (["connect", self.db], ["transaction", self.db]):
+            with self.subTest(other[0]):
+                code, out, err = cli(*other)
+                self.assertEqual((code, out, err.splitlines()[0]), (2, "", "usage: run_experiment"
+                                 ".py preconditions FUNCTION ARG... [--NAME VALUE]..."))
+                self.assertNotIn(other[0], err.splitlines()[1])
         for boundary in ("after_everything", "after_claim"):
             with self.subTest(boundary):
                 code, out, err = cli("execute", self.db, "job-1", json.dumps(plan()), "--now", 0,

@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -496,6 +497,28 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                 self.assertEqual(child.returncode, code)
                 self.assertTrue(stderr.read().decode("utf-8").endswith(tail))
 
+    @unittest.skipUnless(hasattr(signal, "pthread_sigmask"), "stops are held back by the mask")
+    def test_a_child_forked_as_a_stop_comes_is_recorded_then_killed_and_reaped_by_end_forked(self):
+        # The driver's handlers, as at its command line; the child stops its parent at once.
+        kept = {number: signal.getsignal(number) for number in run_experiment.STOPS}
+        self.addCleanup(lambda: [signal.signal(n, h) for n, h in kept.items()])
+        run_experiment.stop_on_signals()
+        # As run_all() does: the pids of earlier tests' children may name other processes now.
+        run_experiment.FORKED.clear()
+
+        def stops_its_parent():
+            os.kill(os.getppid(), signal.SIGINT)
+            return select.select([], [], [], WATCHDOG)[0]
+        with self.assertRaises(KeyboardInterrupt):
+            # Raised in fork() or just after it: the caller may never learn the pid.
+            run_experiment.fork(stops_its_parent)
+            time.sleep(WATCHDOG)
+        [pid] = run_experiment.FORKED
+        run_experiment.end_forked()
+        self.assertEqual(run_experiment.FORKED, set())
+        with self.assertRaises(ChildProcessError, msg="killed and reaped"):
+            os.waitpid(pid, os.WNOHANG)
+
     def test_a_forked_child_writes_to_its_stderr_even_when_the_parents_is_a_buffer(self):
         # As under python3 -m unittest -b: the parent's sys.stderr is no file at all.
         def says(words):
@@ -527,11 +550,26 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
         with tempfile.TemporaryDirectory() as directory:
             for argv in (["--output", directory],
                          ["--output", os.path.join(directory, "missing", "out.json")],
-                         ["--check", os.path.join(directory, "missing.json")]):
+                         ["--check", os.path.join(directory, "missing.json")], ["--bogus"],
+                         ["--only"], ["--explain"], ["--download", "1"], ["--list", "extra"]):
                 with self.subTest(argv=argv):
                     code, out, err = run_main(*argv)
                     self.assertEqual((code, out, len(err.splitlines())), (2, "", 1))
                     self.assertIn("run_experiment.py: error:", err)
+
+    @unittest.skipUnless(os.path.exists("/dev/full"), "a full disk is /dev/full")
+    def test_a_write_to_a_full_disk_exits_1_with_one_line(self):
+        full = open("/dev/full", "w")
+        self.addCleanup(full.close)
+        for argv, stdout in ((["--output", "/dev/full"], subprocess.PIPE), (["--json"], full)):
+            with self.subTest(argv=argv):
+                done = subprocess.run([sys.executable, *SAME_FLAGS, RUN_EXPERIMENT, "--only",
+                                       "naive_lost_ack", *argv], stdout=stdout,
+                                      stderr=subprocess.PIPE, timeout=WATCHDOG * 4)
+                said = done.stderr.decode("utf-8").splitlines()
+                self.assertEqual((done.returncode, said[-1]),
+                                 (1, "run_experiment.py: [Errno 28] No space left on device"))
+                self.assertNotIn("Traceback", done.stderr.decode("utf-8"))
 
     @unittest.skipUnless(os.path.isdir("/proc"), "a FIFO holds the driver still (Linux /proc)")
     def test_ctrl_c_exits_130_with_one_line_and_no_traceback(self):
@@ -1053,6 +1091,7 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELIABILITY = os.path.join(ROOT, "reliability.py")
+RUN_EXPERIMENT = os.path.join(ROOT, "run_experiment.py")
 PRECONDITIONS = os.path.join(ROOT, "preconditions.py")
 # Seconds: only ends a hung child, never asserted as a measurement (the article tests' twin).
 WATCHDOG = article1.WATCHDOG
