@@ -25,6 +25,19 @@ if sys.version_info < (3, 9):
     sys.stderr.write(f"run_experiment.py needs Python 3.9+, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
+if __name__ == "__main__":
+    import os
+    import signal
+
+    def _stopped_early(number, frame):
+        os.write(2, b"run_experiment.py: interrupted\n")
+        os._exit(130)
+    # A stop while the modules below load ends at once, in one line: nothing has started yet.
+    # stop_on_signals() takes over; what nohup ignores stays ignored, as there.
+    for _number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)):
+        if _number == signal.SIGINT or signal.getsignal(_number) is not signal.SIG_IGN:
+            signal.signal(_number, _stopped_early)
+
 import argparse
 import contextlib
 import functools

@@ -557,6 +557,24 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                     self.assertEqual((code, out, len(err.splitlines())), (2, "", 1))
                     self.assertIn("run_experiment.py: error:", err)
 
+    def test_a_stop_while_the_driver_still_loads_its_modules_is_one_line_and_exit_130(self):
+        # A reliability.py that holds the import until its stdin closes, and says so first.
+        stub = "import sys\nprint('importing', flush=True)\nsys.stdin.read()\n"
+        with tempfile.TemporaryDirectory() as folder:
+            shutil.copy(RUN_EXPERIMENT, folder)
+            with open(os.path.join(folder, "reliability.py"), "w", encoding="utf-8") as module:
+                module.write(stub)
+            for number in run_experiment.STOPS:
+                with self.subTest(signal=number), subprocess.Popen(
+                        [sys.executable, *SAME_FLAGS, "run_experiment.py", "--list"],
+                        cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE) as driver:
+                    self.assertEqual(driver.stdout.readline(), b"importing\n")
+                    driver.send_signal(number)
+                    out, err = driver.communicate(timeout=WATCHDOG)
+                    self.assertEqual((driver.returncode, out, err),
+                                     (130, b"", b"run_experiment.py: interrupted\n"))
+
     @unittest.skipUnless(os.path.exists("/dev/full"), "a full disk is /dev/full")
     def test_a_write_to_a_full_disk_exits_1_with_one_line(self):
         full = open("/dev/full", "w")
