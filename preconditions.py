@@ -419,8 +419,8 @@ def _check_file(path, real):
 
 def _create(path, application_id, schema, fill=None):
     """Create a database of ours at ``path`` with ``schema`` (and ``fill(connection)``), whole
-    or not at all, or if killed midway a file without its kind; never over a file or a journal an
-    earlier one left (FileExistsError)."""
+    or not at all (killed midway: a file without its kind, which connect() refuses); never over
+    a file or a journal an earlier one left (FileExistsError)."""
     for leftover in (path, path + "-wal", path + "-journal"):
         if os.path.lexists(leftover):
             raise FileExistsError(errno.EEXIST, "exists; init never overwrites", leftover)
