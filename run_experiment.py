@@ -14,9 +14,9 @@ Every scenario starts in a fresh temporary directory.  Crashes are real: a forke
 os._exit at a named boundary, and another process reads back what survived in the SQLite files.
 Results hold statuses, exit codes, counts, quantities, revisions, digests and ids, never paths,
 pids or timings, so a rerun reproduces them byte for byte.  With only one article's module here
-(its download), only its scenarios run and are compared.  Exit status: 0 all good, 1 a mismatch or
-a failed invariant, 2 bad usage, 130 interrupted: Ctrl-C, SIGTERM or SIGHUP, one line on stderr,
-every child killed and its folder removed first.
+(its download), only its scenarios run and are compared.  Exit status: 0 all good, 1 a mismatch,
+a failed invariant or a failed write (one line), 2 bad usage, 130 interrupted: Ctrl-C, SIGTERM or
+SIGHUP, one line on stderr, every child killed and its folder removed first.
 """
 import sys
 
@@ -1501,7 +1501,8 @@ def main(argv=None):
         return stop.code
     # Its reader went away (| head), quietly, or a disk is full: the exit's flush is quiet too.
     except OSError as error:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         if not isinstance(error, BrokenPipeError):
             print(f"run_experiment.py: {error}", file=sys.stderr)
         return 1
