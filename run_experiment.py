@@ -25,29 +25,39 @@ if sys.version_info < (3, 9):
     sys.stderr.write(f"run_experiment.py needs Python 3.9+, not {sys.version.split()[0]}\n")
     sys.exit(2)
 
-if __name__ == "__main__":
-    import os
-    import signal
+import os
+import signal
 
-    def _stopped_early(number, frame):
-        os.write(2, b"run_experiment.py: interrupted\n")
-        os._exit(130)
-    # A stop while the modules below load ends at once, in one line: nothing has started yet.
-    # stop_on_signals() takes over; what nohup ignores stays ignored, as there.
-    for _number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGINT)):
-        if _number == signal.SIGINT or signal.getsignal(_number) is not signal.SIG_IGN:
-            signal.signal(_number, _stopped_early)
+# What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
+STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+              if hasattr(signal, name))
+
+
+def on_stops(handler):
+    """``handler`` for each of STOPS: SIGINT even where a background start ignores it; a SIGTERM
+    or SIGHUP that is ignored (nohup) stays ignored."""
+    for number in STOPS:
+        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, handler)
+
+
+def _stopped_early(number, frame):
+    os.write(2, b"run_experiment.py: interrupted\n")
+    os._exit(130)
+
+
+# A stop while the modules below load ends at once, in one line: nothing has started yet.
+if __name__ == "__main__":
+    on_stops(_stopped_early)
 
 import argparse
 import contextlib
 import functools
 import inspect
 import json
-import os
 import random
 import select
 import shutil
-import signal
 import sqlite3
 import tempfile
 import threading
@@ -70,9 +80,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.json")
 # Seconds: only stops a hung child, never paces a scenario.
 WATCHDOG = 60.0
-# What stops a run at the command line, as Ctrl-C does (SIGHUP: where the system has it).
-STOPS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
-              if hasattr(signal, name))
 # The modules here, by file name; None where this download lacks one.
 MODULES = {"reliability.py": reliability, "preconditions.py": preconditions}
 # The crash matrix.  Each named boundary of reliability.py (a crash_point line, in the order a
@@ -1266,16 +1273,13 @@ def fork_child(main, args, keep=(), stderr=None, group=False):
 
 
 def stop_on_signals():
-    """At the command line only: each of STOPS raises KeyboardInterrupt once, the next ones
-    ignored, so the cleanup runs to its end and main() says one line; SIGINT even where a
-    background start ignores it, a SIGTERM or SIGHUP that is ignored (nohup) stays ignored."""
+    """At the command line only: each of STOPS (see on_stops) raises KeyboardInterrupt once, the
+    next ones ignored, so the cleanup runs to its end and main() says one line."""
     def stop(number, frame):
         for each in STOPS:
             signal.signal(each, signal.SIG_IGN)
         raise KeyboardInterrupt
-    for number in STOPS:
-        if number == signal.SIGINT or signal.getsignal(number) is not signal.SIG_IGN:
-            signal.signal(number, stop)
+    on_stops(stop)
 
 
 @contextlib.contextmanager
@@ -1329,9 +1333,7 @@ def fork(child):
         # Where a new process writes (fd 2), not into the parent's sys.stderr (unittest -b's).
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         try:
-            for number in STOPS:
-                if signal.getsignal(number) is not signal.SIG_IGN or number == signal.SIGINT:
-                    signal.signal(number, signal.SIG_DFL)
+            on_stops(signal.SIG_DFL)
             # Held back around a fork (stops_held()): here they are the child's own.
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
             random.seed()
