@@ -39,15 +39,16 @@ class _Beside(unittest.TestSuite):
 
     def run(self, result, debug=False):
         top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing takes
-        # them.
         # Its record goes to a file, which never fills up as a pipe would while this process
         # is busy with its own tests.
         with tempfile.TemporaryFile() as said:
+            # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing
+            # takes them.
             child = subprocess.Popen(
                 [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
                  "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()",
-                 top, str(os.getpid()), "-b" if result.buffer else "-", *self.beside],
+                 top, str(os.getpid()), "-b" if getattr(result, "buffer", False) else "-",
+                 *self.beside],
                 cwd=top, stdout=said, stdin=subprocess.DEVNULL,
                 # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
                 # other (_stop).
