@@ -3,9 +3,10 @@
 ``python3 -m unittest`` from the project's root runs this folder's tests too.  There, the tests of
 the PostgreSQL and HTTP editions run in a second Python process, with the same flags, while the
 others run in this one, so that a second core works too; each of their results is then reported
-here as the runner reports its own.  When the runner stops (-f, -c, Ctrl-C), the second process
-is interrupted, then what is left of its group killed; it ends at its next test once the runner has
-gone.  With ``-k``, everything runs here.
+here as the runner reports its own, in the order they ran (-b and --durations hold there too).  If
+it dies, what it reported stays, and an error names the last test it started.  When the runner
+stops (-f, -c, Ctrl-C), the second process is interrupted, then what is left of its group killed;
+it ends at its next test once the runner has gone.  With ``-k``, everything runs here.
 """
 
 import contextlib
