@@ -85,6 +85,9 @@ def _replay(result, lines, code):
     naming the last test it started and its exit status ``code``."""
     running = "none"
     for line in lines:
+        # -f: the runner stops at the first failure, whichever process it was in.
+        if result.shouldStop:
+            return
         if "running" in line:
             running = line["running"]
         elif "outcome" in line:
@@ -139,7 +142,11 @@ def _report():
     record = _Record(parent, out)
     # -b: what a test prints is held, and shown with its failure only.
     record.buffer = sys.argv[3] == "-b"
-    unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
+    try:
+        unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
+    except KeyboardInterrupt:
+        # Stopped by the runner (_stop), its cleanups run: nothing more to say.
+        sys.exit(130)
     record.write_new()
     record.write({"durations": getattr(record, "collectedDurations", [])})
     out.close()

@@ -1104,6 +1104,34 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
         self.assertIn("it ended (exit status 3) without the rest of its record; the last test"
                       " it started: dying.Dies.test_2_dies", there.errors[0][1])
 
+    def test_with_failfast_the_replay_stops_at_the_first_failure(self):
+        lines = [{"running": "m.T.a"}, {"outcome": ["m.T.a", "a (m.T)", None, "failure", "boom"]},
+                 {"running": "m.T.b"}, {"outcome": ["m.T.b", "b (m.T)", None, "success", None]},
+                 {"durations": []}]
+        result = unittest.TestResult()
+        result.failfast = True
+        beyond._replay(result, lines, 0)
+        self.assertEqual((result.testsRun, len(result.failures), result.shouldStop), (1, 1, True))
+
+    def test_a_second_process_the_runner_interrupts_exits_130_without_a_traceback(self):
+        waits = "import sys, unittest\n\n\nclass Waits(unittest.TestCase):\n" \
+                "    def test_waits(self):\n        print('waiting', flush=True)\n" \
+                "        sys.stdin.read()\n"
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "waits.py"), "w", encoding="utf-8") as module:
+                module.write(waits)
+            # As _Beside starts it, but with a stdin to wait on; what a test prints is on stderr.
+            with subprocess.Popen(
+                    [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1],"
+                     " sys.argv.pop()]; import beyond; beyond._report()", ROOT,
+                     str(os.getpid()), "-", "waits", folder], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) as second:
+                self.assertEqual(second.stderr.readline(), b"waiting\n")
+                second.send_signal(signal.SIGINT)
+                out, err = second.communicate(timeout=WATCHDOG)
+        self.assertEqual((second.returncode, err), (130, b""))
+        self.assertEqual(beyond._lines(out), [{"running": "waits.Waits.test_waits"}])
+
 
 # === machinery: paths, the driver in this process, the kits, the twins, README.md ===
 
