@@ -8,7 +8,6 @@ with preconditions.py's.  Without PostgreSQL they skip, and the run says so in o
 """
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -360,8 +359,10 @@ class StepByStepTest(harness.TestCase):
     """Every answer of article7.sql against preconditions.py's, and what it refuses."""
 
     def test_the_sql_answers_as_preconditions_py_does_step_by_step(self):
-        folder = tempfile.mkdtemp()
-        self.addCleanup(shutil.rmtree, folder)
+        # Removed by its finalizer too, should an interrupt skip the cleanups.
+        temporary = tempfile.TemporaryDirectory()
+        self.addCleanup(temporary.cleanup)
+        folder = temporary.name
         quantities = {"A": 10, "B": 0, "C": 5, "Q": pre.MAX_INT64 - 1, "R": 1, "名额A": 3,
                       'q"\\\n': 2}
         pre.init(os.path.join(folder, "p.db"), quantities)
