@@ -81,9 +81,9 @@ def connect(sender):
     """The late.db beside ``sender`` (a sender.db connection from reliability.connect()), open
     as reliability opens its files: WAL, synchronous=FULL, never created (init() makes it); a
     file of another kind or schema version raises before anything is written, and every SQLite
-    error of this connection names the file.  A late.db with a second name (a hard link), or
-    something other than a file where its -wal or -shm go, is refused as reliability refuses its
-    own."""
+    error of this connection names the file.  Unlike reliability.connect(), it does not look
+    for a hard link or an odd -wal or -shm beside it: init() links late.db into place, so for an
+    instant it has two names."""
     return _open(_beside(sender))
 
 
@@ -284,11 +284,9 @@ def _open(path):
     """Open an existing late.db: WAL, synchronous=FULL, autocommit (transaction() begins)."""
     if not os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, f"no {LATE} here: late.init(root) makes it", path)
-    # Checked and opened under one name, as reliability does (_open).
-    real = os.path.realpath(path)
-    reliability._check_file(path, real)
     # "file://" and an empty authority, so that ?, # and % stay in the name.
-    uri = "file://" + real.replace("%", "%25").replace("?", "%3f").replace("#", "%23") + "?mode=rw"
+    uri = "file://" + os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace(
+        "#", "%23") + "?mode=rw"
     try:
         connection = sqlite3.connect(uri, uri=True, isolation_level=None,
                                      timeout=reliability.BUSY_TIMEOUT,
@@ -320,6 +318,9 @@ def _build(root):
     os.close(os.open(made, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     try:
         with contextlib.closing(sqlite3.connect(made, isolation_level=None)) as connection:
+            # Made in WAL mode: openers that meet it at once would each have to switch it, and
+            # SQLite answers all but one of them "locked" at once, without waiting.
+            connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=FULL")
             with reliability.transaction(connection):
                 for statement in SCHEMA:
@@ -327,7 +328,7 @@ def _build(root):
                 connection.execute(f"PRAGMA application_id = {int(LATE_KIND)}")
                 connection.execute(f"PRAGMA user_version = {int(LATE_VERSION)}")
     except BaseException:
-        for leftover in (made, made + "-journal"):
+        for leftover in (made, made + "-journal", made + "-wal", made + "-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(leftover)
         raise

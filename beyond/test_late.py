@@ -9,7 +9,6 @@ own connection) while the test asserts what the other does.  A wait for a sign f
 SILENCE seconds without it; a child that outlives WATCHDOG seconds is killed.
 """
 import contextlib
-import errno
 import json
 import os
 import select
@@ -359,27 +358,6 @@ class FilesTest(unittest.TestCase):
                     self.assertTrue(str(caught.exception).startswith(path + ": "),
                                     caught.exception)
                     self.assertEqual(read_bytes(path), before)
-
-    def test_a_late_db_with_a_second_name_or_a_fifo_for_its_wal_is_refused_as_reliability_does(
-            self):
-        with workspace() as root:
-            path = os.path.join(root, late.LATE)
-            before = read_bytes(path)
-            with contextlib.closing(reliability.connect(os.path.join(root, reliability.SENDER))) \
-                    as sender:
-                os.link(path, os.path.join(root, "second-name.db"))
-                with self.assertRaises(OSError) as linked:
-                    late.connect(sender)
-                os.remove(os.path.join(root, "second-name.db"))
-                os.mkfifo(path + "-wal")
-                with self.assertRaises(OSError) as fifo:
-                    late.connect(sender)
-                os.remove(path + "-wal")
-            self.assertEqual((linked.exception.errno, linked.exception.filename),
-                             (errno.EMLINK, path))
-            self.assertEqual((fifo.exception.errno, fifo.exception.filename),
-                             (errno.EINVAL, os.path.realpath(path) + "-wal"))
-            self.assertEqual(read_bytes(path), before)
 
     def test_init_without_a_sender_db_makes_nothing(self):
         with tempfile.TemporaryDirectory() as root:
