@@ -23,6 +23,9 @@ BESIDE = ("beyond.postgres.test_article1", "beyond.postgres.test_article7", "bey
 
 def load_tests(loader, tests, pattern):
     """unittest's hook for a package it discovers: this folder's tests, BESIDE's left out here."""
+    # A SIGTERM to the runner ends it as a Ctrl-C does, so that each test's folder goes too.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     here = os.path.dirname(os.path.abspath(__file__))
     found = loader.discover(here, pattern or "test*.py", os.path.dirname(here))
     each = list(_each(found))

@@ -557,6 +557,25 @@ class TheDriverReportsEveryFailureAndLeavesNoChild(unittest.TestCase):
                     self.assertEqual((code, out, len(err.splitlines())), (2, "", 1))
                     self.assertIn("run_experiment.py: error:", err)
 
+    def test_an_article_test_file_run_as_a_script_stops_in_one_line_with_exit_130(self):
+        # Its main() runs the tests of the script that calls it: here, one that waits.
+        for module in ("test_reliability", "test_preconditions"):
+            script = ("import sys, unittest\n\n\nclass Waits(unittest.TestCase):\n"
+                      "    def test_waits(self):\n        print('waiting', flush=True)\n"
+                      f"        sys.stdin.read()\n\n\nimport {module}\n"
+                      f"sys.argv[1:] = ['-k', 'test_waits']\n{module}.main()\n")
+            for number in run_experiment.STOPS:
+                with self.subTest(module=module, signal=number), subprocess.Popen(
+                        [sys.executable, *SAME_FLAGS, "-c", script], cwd=ROOT,
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE) as run:
+                    self.assertEqual(run.stdout.readline(), b"waiting\n")
+                    run.send_signal(number)
+                    _, err = run.communicate(timeout=WATCHDOG)
+                    self.assertEqual((run.returncode, err.decode("utf-8").splitlines()[-1:]),
+                                     (130, [f"{module}.py: interrupted"]))
+                    self.assertNotIn(b"Traceback", err)
+
     def test_a_stop_while_the_driver_still_loads_its_modules_is_one_line_and_exit_130(self):
         # A reliability.py that holds the import until its stdin closes, and says so first.
         stub = "import sys\nprint('importing', flush=True)\nsys.stdin.read()\n"
@@ -1103,6 +1122,12 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
         self.assertEqual(there.errors[0][0].id(), "beyond")
         self.assertIn("it ended (exit status 3) without the rest of its record; the last test"
                       " it started: dying.Dies.test_2_dies", there.errors[0][1])
+
+    def test_discovery_makes_a_sigterm_to_the_runner_end_it_as_a_ctrl_c_does(self):
+        self.addCleanup(signal.signal, signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        beyond.load_tests(unittest.defaultTestLoader, None, "test_none_is_named_so*.py")
+        self.assertIs(signal.getsignal(signal.SIGTERM), signal.default_int_handler)
 
     def test_with_failfast_the_replay_stops_at_the_first_failure(self):
         lines = [{"running": "m.T.a"}, {"outcome": ["m.T.a", "a (m.T)", None, "failure", "boom"]},
