@@ -483,8 +483,7 @@ def stored(root):
 
 def late_rows(root):
     """late_results as stored: (id, caller, key, attempt, response text, arrived_at)."""
-    path = os.path.join(root, late.LATE)
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=rw", uri=True)) as database:
+    with contextlib.closing(late._open(os.path.join(root, late.LATE))) as database:
         return database.execute("SELECT * FROM late_results ORDER BY id").fetchall()
 
 
