@@ -83,8 +83,11 @@ def server():
 
 def _start(bindir):
     _remove_stale()
+    # From here on a SIGTERM or SIGHUP removes what is made, also while it starts.
+    _stop_on_signals()
     folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=_base())
     started = types.SimpleNamespace(bindir=bindir, folder=folder, process=None)
+    _run["server"] = started
     try:
         with open(os.path.join(folder, "owner.pid"), "w") as f:
             f.write(str(os.getpid()))
@@ -112,7 +115,6 @@ def _start(bindir):
         _stop(started)
         raise
     atexit.register(_stop, started)
-    _stop_on_signals()
     return started
 
 

@@ -11,9 +11,12 @@ import json
 import math
 import os
 import random
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 import types
 import unittest
 
@@ -1302,6 +1305,44 @@ class LoadTest(harness.TestCase):
         self.assertEqual(value(s, receive("late", {"t": 1}, 5, 30)),
                          {"status": "expired", "low_water": 10})
         self.assertEqual(query(s, "SELECT count(*) FROM article1.tickets"), [["1"]])
+
+
+# === the harness itself: a stop leaves no server folder ==========================================
+
+class HarnessTest(unittest.TestCase):
+    """What the tests' own server leaves when its run is stopped: nothing."""
+
+    @unittest.skipUnless(hasattr(os, "mkfifo"), "the stand-in initdb says where it is on a FIFO")
+    def test_a_sigterm_while_the_server_starts_removes_its_folder(self):
+        with tempfile.TemporaryDirectory() as bindir:
+            # A stand-in initdb (run as nobody where the tests run as root): it says where it
+            # runs, then waits.
+            os.chmod(bindir, 0o755)
+            os.mkfifo(os.path.join(bindir, "where"))
+            os.chmod(os.path.join(bindir, "where"), 0o666)
+            with open(os.path.join(bindir, "initdb"), "w", encoding="utf-8") as script:
+                script.write('#!/bin/sh\npwd > "$(dirname "$0")/where"\nexec sleep 60\n')
+            os.chmod(os.path.join(bindir, "initdb"), 0o755)
+            starter = subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from"
+                 " beyond.postgres import harness; harness._start(sys.argv[2])",
+                 os.path.dirname(os.path.dirname(harness.HERE)), bindir])
+            # Should initdb never say it, the watchdog opens the FIFO and so ends the read.
+            watchdog = threading.Timer(harness.START, lambda: open(
+                os.path.join(bindir, "where"), "w").close())
+            watchdog.start()
+            try:
+                with open(os.path.join(bindir, "where"), encoding="utf-8") as where:
+                    folder = where.read().strip()
+                watchdog.cancel()
+                self.assertTrue(folder, "the stand-in initdb never ran")
+                starter.send_signal(signal.SIGTERM)
+                self.assertEqual(starter.wait(timeout=harness.START), -signal.SIGTERM)
+            finally:
+                starter.kill()
+                starter.wait()
+        self.assertTrue(os.path.basename(folder).startswith(harness.FOLDER_PREFIX), folder)
+        self.assertFalse(os.path.exists(folder), "the starting server's folder is left")
 
 
 # === machinery ==================================================================================
