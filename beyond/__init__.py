@@ -46,13 +46,8 @@ class _Beside(unittest.TestSuite):
         # Its record goes to a file, which never fills up as a pipe would while this process
         # is busy with its own tests.
         with tempfile.TemporaryFile() as said:
-            # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing
-            # takes them.
             child = subprocess.Popen(
-                [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
-                 "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()",
-                 top, str(os.getpid()), "-b" if getattr(result, "buffer", False) else "-",
-                 *self.beside],
+                _command(getattr(result, "buffer", False), self.beside),
                 cwd=top, stdout=said, stdin=subprocess.DEVNULL,
                 # Out of a terminal's reach: a Ctrl-C stops this process, which then ends the
                 # other (_stop).
@@ -69,6 +64,16 @@ class _Beside(unittest.TestSuite):
             said.seek(0)
             _replay(result, _lines(said.read()), child.returncode)
         return result
+
+
+def _command(buffer, modules):
+    """The second process's command line: ``modules`` run by _report(), reporting to this
+    process, their output held back under ``buffer`` (-b)."""
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The flags this interpreter runs with (-X dev, -W error, ...), as multiprocessing takes them.
+    return [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import beyond; beyond._report()", top,
+            str(os.getpid()), "-b" if buffer else "-", *modules]
 
 
 def _stop(child):
@@ -140,19 +145,18 @@ def _report():
     (see _Record)."""
     parent, names = int(sys.argv[2]), sys.argv[4:]
     # What the tests print goes to stderr: stdout carries the record alone.
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    record = _Record(parent, out)
-    # -b: what a test prints is held, and shown with its failure only.
-    record.buffer = sys.argv[3] == "-b"
-    try:
-        unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
-    except KeyboardInterrupt:
-        # Stopped by the runner (_stop), its cleanups run: nothing more to say.
-        sys.exit(130)
-    record.write_new()
-    record.write({"durations": getattr(record, "collectedDurations", [])})
-    out.close()
+    with os.fdopen(os.dup(1), "w", encoding="utf-8") as out:
+        os.dup2(2, 1)
+        record = _Record(parent, out)
+        # -b: what a test prints is held, and shown with its failure only.
+        record.buffer = sys.argv[3] == "-b"
+        try:
+            unittest.defaultTestLoader.loadTestsFromNames(names).run(record)
+        except KeyboardInterrupt:
+            # Stopped by the runner (_stop), its cleanups run: nothing more to say.
+            sys.exit(130)
+        record.write_new()
+        record.write({"durations": getattr(record, "collectedDurations", [])})
 
 
 class _Record(unittest.TestResult):

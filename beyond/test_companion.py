@@ -1145,12 +1145,10 @@ class TheSuiteRunsHalfOfBeyondBeside(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             with open(os.path.join(folder, "waits.py"), "w", encoding="utf-8") as module:
                 module.write(waits)
-            # As _Beside starts it, but with a stdin to wait on; what a test prints is on stderr.
-            with subprocess.Popen(
-                    [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1],"
-                     " sys.argv.pop()]; import beyond; beyond._report()", ROOT,
-                     str(os.getpid()), "-", "waits", folder], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) as second:
+            # As _Beside starts it, with a stdin to wait on; what a test prints is on stderr.
+            with subprocess.Popen(beyond._command(False, ["waits"]), env=on_path(folder),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) as second:
                 self.assertEqual(second.stderr.readline(), b"waiting\n")
                 second.send_signal(signal.SIGINT)
                 out, err = second.communicate(timeout=WATCHDOG)
@@ -1260,10 +1258,14 @@ def run_main(*argv):
 def beside(folder, buffer, module):
     """``module`` of ``folder`` run as beyond/__init__.py's second process, started as _Beside
     starts it (``buffer``: "-b" or "-"), to its end."""
-    return subprocess.run(
-        [sys.executable, "-c", "import sys; sys.path[:0] = [sys.argv[1], sys.argv.pop()];"
-         " import beyond; beyond._report()", ROOT, str(os.getpid()), buffer, module, folder],
-        capture_output=True, timeout=WATCHDOG)
+    return subprocess.run(beyond._command(buffer == "-b", [module]), env=on_path(folder),
+                          capture_output=True, timeout=WATCHDOG)
+
+
+def on_path(folder):
+    """This process's environment, with ``folder``'s modules importable."""
+    earlier = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=folder + (os.pathsep + earlier if earlier else ""))
 
 
 def in_download(folder, *argv):
